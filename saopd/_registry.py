@@ -1,0 +1,62 @@
+"""A tiny name -> class registry shared by filters and objectives.
+
+Config files name a variant (``filter: sa_opd``); the registry maps that name to the class whose
+dataclass fields are its hyperparameters. A miss lists the valid names, and unknown keyword
+arguments are reported by name, so a typo in a config never fails deep inside a constructor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Maps config names to classes of one family (``kind`` is used in error messages)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._classes: dict[str, type[T]] = {}
+
+    def register(self, name: str) -> Callable[[type[T]], type[T]]:
+        def decorator(cls: type[T]) -> type[T]:
+            if name in self._classes:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._classes[name] = cls
+            cls.name = name  # type: ignore[attr-defined]
+            return cls
+
+        return decorator
+
+    def get(self, name: str) -> type[T]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; allowed: {', '.join(sorted(self._classes))}"
+            ) from None
+
+    def build(self, name: str, **kwargs: Any) -> T:
+        """Instantiate ``name`` with ``kwargs``; unknown keys raise ``ValueError`` naming them."""
+        cls = self.get(name)
+        if dataclasses.is_dataclass(cls):
+            allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+            unknown = sorted(set(kwargs) - allowed)
+            if unknown:
+                raise ValueError(
+                    f"{self.kind} {name!r} got unknown parameter(s) {unknown}; "
+                    f"allowed: {sorted(allowed)}"
+                )
+        return cls(**kwargs)
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
