@@ -55,7 +55,7 @@ def filtered_loss_mass_ratio(a_full: torch.Tensor, filtered: torch.Tensor,
     Args: ``a_full`` float [B, T] (or [N]), ``filtered`` bool (True = in F, subset of V),
     ``valid`` bool (True = in V), all of one shape.
     """
-    abs_a = a_full.detach().float().abs()
+    abs_a = a_full.detach().double().abs()  # float64 sums: the bound test is exact to ~1e-15
     return float(abs_a[filtered & valid].sum()) / (float(abs_a[valid].sum()) + FLMR_EPS)
 
 

@@ -32,13 +32,14 @@ def fire_token_weights(entropy_student: torch.Tensor, entropy_teacher: torch.Ten
     h_t = entropy_teacher.detach().float()
     h_s = entropy_student.detach().float()
     zero = torch.zeros((), device=valid.device)
-    max_t = torch.where(valid, h_t, zero).max().clamp_min(tiny)
+    max_t = torch.where(valid, h_t, zero).max().clamp_min(tiny)  # max over valid tokens
     max_s = torch.where(valid, h_s, zero).max().clamp_min(tiny)
     tc = (1.0 - h_t / max_t).clamp(0.0, 1.0)
     sc = (h_s / max_s).clamp(0.0, 1.0)
     w = torch.where(valid, (1.0 + a * tc) * (1.0 + b * sc), zero)  # [B, T]
-    n = valid.sum()
-    return w / (w.sum() / n).clamp_min(tiny) if bool(n > 0) else w
+    n = int(valid.sum())
+    # the mean over the compact valid tokens: padding cannot change the summation order
+    return w / (w[valid].sum() / n).clamp_min(tiny) if n else w
 
 
 @FILTERS.register("fire")

@@ -126,7 +126,7 @@ def spurious_token_mask(
     if torch.isnan(a).any() or torch.isnan(d).any():
         raise ValueError("a_full or delta holds NaN at valid positions")
 
-    abs_a = a.abs()
+    abs_a = a.double().abs()  # float64, as filtered_loss_mass_ratio, so bound checks agree
     total = float(abs_a.sum()) + FLMR_EPS
     weight = abs_a / total  # path.mass(alpha) is then r(alpha) = FLMR(F_alpha)
     path = IntersectionPath(d, a, weight, p1, p2, extreme=extreme, max_alpha=1.0)

@@ -50,13 +50,18 @@ def aggregate(
     if mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor, got dtype {mask.dtype}")
     check_same_shape("loss", loss, mask.shape, "mask")
-    masked = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    # Sums run over the compact kept tokens (row-major), so padding cannot even change the
+    # float summation order; NaN/inf at masked positions never enter.
+    kept = loss[mask]  # [N_kept]
     if mode == "token-sum":
-        return masked.sum()
+        return kept.sum()
     if mode == "token-mean":
         count = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
-        return masked.sum() / count.to(masked.dtype).clamp_min(1.0)
+        return kept.sum() / count.to(kept.dtype).clamp_min(1.0)
+    rows = mask.nonzero()[:, 0]  # [N_kept] row index of each kept token
+    per_seq_sum = torch.zeros(mask.shape[0], dtype=kept.dtype, device=kept.device)
+    per_seq_sum = per_seq_sum.index_add(0, rows, kept)  # [B]
     per_seq_count = mask.sum(dim=-1)  # [B]
-    per_seq = masked.sum(dim=-1) / per_seq_count.clamp_min(1).to(masked.dtype)  # [B]
+    per_seq = per_seq_sum / per_seq_count.clamp_min(1).to(kept.dtype)  # [B]
     count = (per_seq_count > 0).sum() if num_sequences is None else torch.as_tensor(num_sequences)
-    return per_seq.sum() / count.to(masked.dtype).clamp_min(1.0)
+    return per_seq.sum() / count.to(kept.dtype).clamp_min(1.0)

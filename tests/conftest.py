@@ -1,0 +1,78 @@
+"""Shared test fixtures: random per-token signals with padding, on CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from saopd.signals import TokenSignals
+
+ALL_FIELDS = ("lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher",
+              "lp_sampler", "lp_ref", "kl")
+
+
+def random_signals(batch: int = 4, length: int = 12, *, seed: int = 0, valid_p: float = 0.8,
+                   fields: tuple[str, ...] = ALL_FIELDS, dtype: torch.dtype = torch.float32,
+                   student_grad: bool = False) -> TokenSignals:
+    """Signals with every optional field, log-probs in [-6, 0], random valid mask."""
+    g = torch.Generator().manual_seed(seed)
+
+    def lp() -> torch.Tensor:
+        return (-6 * torch.rand(batch, length, generator=g)).to(dtype)
+
+    valid = torch.rand(batch, length, generator=g) < valid_p
+    values = {
+        "lp_student_res": lp(), "lp_teacher_res": lp(),
+        "entropy_student": (3 * torch.rand(batch, length, generator=g)).to(dtype),
+        "entropy_teacher": (3 * torch.rand(batch, length, generator=g)).to(dtype),
+        "lp_sampler": lp(), "lp_ref": lp(),
+        "kl": (2 * torch.rand(batch, length, generator=g)).to(dtype),
+    }
+    lp_student = lp()
+    if student_grad:
+        lp_student.requires_grad_(True)
+    signals = TokenSignals(lp_student=lp_student, lp_teacher=lp(), valid=valid,
+                           **{k: v for k, v in values.items() if k in fields})
+    signals.student_leaf = lp_student  # type: ignore[attr-defined]  # for gradient checks
+    return signals
+
+
+@pytest.fixture
+def make_signals() -> Callable[..., TokenSignals]:
+    return random_signals
+
+
+# ---------------------------------------------------------------------------------------------
+# A hand-made batch of 6 valid tokens (+ 1 padding column), p1 = p2 = 0.5 -> k1 = k2 = 3.
+#   token         t0    t1    t2    t3    t4    t5
+#   A_full        2.0  -0.5   3.0   0.1  -2.5   1.0      (lpS = -3, lpT = -3 - A)
+#   A_res         1.9  -0.4   0.0   0.1  -2.3  -1.0      (lpS_res = -3, lpT_res = -3 - A_res)
+#   gap |dA|      0.1   0.1   3.0   0.0   0.2   2.0
+# Bottom_3(gap)      = {t3, t0, t1}
+# Top_3(|A|)         = {t2 (3.0), t4 (2.5), t0 (2.0)}
+# F (abs)            = {t0};             FLMR = 2.0 / 9.1
+# Top_3(A) ∪ Bottom_3(A) = {t2, t0, t5} ∪ {t4, t1, t3} = all -> F (two_sided) = {t3, t0, t1}
+# ---------------------------------------------------------------------------------------------
+A_FULL = [2.0, -0.5, 3.0, 0.1, -2.5, 1.0]
+A_RES = [1.9, -0.4, 0.0, 0.1, -2.3, -1.0]
+TOTAL = sum(abs(x) for x in A_FULL)  # 9.1
+
+
+def hand_signals() -> TokenSignals:
+    """The hand-made batch above: 6 valid tokens and one padding column."""
+    pad = [-9.0]
+    return TokenSignals(
+        lp_student=torch.tensor([[-3.0] * 6 + pad]),
+        lp_teacher=torch.tensor([[-3.0 - a for a in A_FULL] + pad]),
+        lp_student_res=torch.tensor([[-3.0] * 6 + pad]),
+        lp_teacher_res=torch.tensor([[-3.0 - a for a in A_RES] + pad]),
+        valid=torch.tensor([[True] * 6 + [False]]),
+    )
+
+
+def mask_of(tokens: set[int]) -> list[list[bool]]:
+    return [[i in tokens for i in range(7)]]
+
+

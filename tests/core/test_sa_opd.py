@@ -1,0 +1,223 @@
+"""SA-OPD's filter (Eq. 16-18) and Algorithm 2, against hand computations and a reference."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from conftest import TOTAL, hand_signals, mask_of  # the hand-made batch
+from hypothesis import given, settings
+
+from saopd.filters import build_filter, spurious_token_mask
+from saopd.filters.ranks import count_for
+from saopd.signals import TokenSignals
+
+
+def run(**kw: object):
+    s = hand_signals()
+    return spurious_token_mask(s.a_full, s.grounding_gap, s.valid, p1=0.5, p2=0.5, **kw)
+
+
+def test_fixed_ratio_filter_abs() -> None:
+    out = run()
+    assert out.mask.tolist() == mask_of({0})
+    assert out.flmr == pytest.approx(2.0 / TOTAL, rel=1e-6)
+    assert (out.alpha, out.branch) == (1.0, "fixed")
+
+
+def test_fixed_ratio_filter_two_sided() -> None:
+    out = run(extreme="two_sided")
+    assert out.mask.tolist() == mask_of({0, 1, 3})
+    assert out.flmr == pytest.approx((2.0 + 0.5 + 0.1) / TOTAL, rel=1e-6)
+
+
+def test_branch_within_bound_keeps_alpha_one() -> None:
+    out = run(beta_min=0.1, beta_max=0.3)  # r(1) = 0.2198
+    assert (out.branch, out.alpha) == ("within", 1.0)
+    assert out.mask.tolist() == mask_of({0})
+
+
+def test_branch_shrink() -> None:
+    # r(1) = 0.22 > 0.1. For alpha < 1, k = floor(3 alpha) <= 2: Bottom_2(gap) = {t3, t0} and
+    # Top_2(|A|) = {t2, t4} are disjoint, so the largest feasible set is empty and alpha -> 1^-.
+    out = run(beta_max=0.1)
+    assert out.branch == "shrink"
+    assert out.mask.tolist() == mask_of(set())
+    assert out.flmr == 0.0
+    assert 1.0 - 1e-9 < out.alpha < 1.0
+
+
+def test_branch_grow() -> None:
+    # r(1) = 0.22 < 0.5; alpha_max = 2. k = floor(3 alpha):
+    #   k = 4 (alpha = 4/3): Bottom_4 = {t3,t0,t1,t4}, Top_4 = {t2,t4,t0,t5} -> {t0,t4}, r = 4.5/9.1
+    #   k = 5 (alpha = 5/3): Bottom_5 adds t5, Top_5 adds t1 -> {t0,t1,t4,t5}, r = 6.0/9.1 >= 0.5
+    out = run(beta_min=0.5, beta_max=0.9)
+    assert out.branch == "grow"
+    assert out.mask.tolist() == mask_of({0, 1, 4, 5})
+    assert out.flmr == pytest.approx(6.0 / TOTAL, rel=1e-6)
+    assert out.alpha == pytest.approx(5 / 3, rel=1e-9)
+    assert count_for(out.alpha * 0.5, 6) == 5
+    assert (out.p1, out.p2) == (pytest.approx(5 / 6), pytest.approx(5 / 6))
+
+
+def test_branch_grow_then_shrink() -> None:
+    # growing reaches r = 6.0/9.1 = 0.659 > beta_max = 0.55; the largest alpha with r <= 0.55
+    # is just below 5/3, where F = {t0, t4} (r = 4.5/9.1 = 0.4945).
+    out = run(beta_min=0.5, beta_max=0.55)
+    assert out.branch == "grow_then_shrink"
+    assert out.mask.tolist() == mask_of({0, 4})
+    assert out.flmr == pytest.approx(4.5 / TOTAL, rel=1e-6)
+    assert 4 / 3 <= out.alpha < 5 / 3
+
+
+def test_unreachable_lower_bound_keeps_alpha_one() -> None:
+    zeros = torch.zeros(1, 4)
+    out = spurious_token_mask(zeros, zeros, torch.ones(1, 4, dtype=torch.bool), p1=0.5, p2=0.5,
+                              beta_min=0.1)
+    assert (out.branch, out.alpha, out.flmr) == ("unreachable", 1.0, 0.0)
+
+
+# ---- a plain reference of Algorithm 2 over every reachable set ------------------------------
+def ref_set(a: list[float], d: list[float], p1: float, p2: float, alpha: float,
+            extreme: str) -> set[int]:
+    n = len(a)
+    k1, k2 = count_for(alpha * p1, n), count_for(alpha * p2, n)
+    by_gap = sorted(range(n), key=lambda i: (d[i], i))[:k1]
+    if extreme == "abs":
+        ext = set(sorted(range(n), key=lambda i: (-abs(a[i]), i))[:k2])
+    else:
+        ext = set(sorted(range(n), key=lambda i: (-a[i], i))[:k2])
+        ext |= set(sorted(range(n), key=lambda i: (a[i], i))[:k2])
+    return set(by_gap) & ext
+
+
+def ref_flmr(a: list[float], f: set[int]) -> float:
+    return sum(abs(a[i]) for i in f) / (sum(abs(x) for x in a) + 1e-8)
+
+
+def alphas_between(lo: float, hi: float, n: int, p1: float, p2: float) -> list[float]:
+    """Every breakpoint of (k1, k2) in [lo, hi] plus midpoints: all reachable sets."""
+    pts = {lo, hi}
+    for p in (p1, p2):
+        pts |= {j / (p * n) for j in range(1, n + 1) if lo <= j / (p * n) <= hi}
+    pts_sorted = sorted(pts)
+    return sorted(set(pts_sorted) | {(x + y) / 2 for x, y in itertools.pairwise(pts_sorted)})
+
+
+def reference_algorithm2(a, d, p1, p2, beta_min, beta_max, extreme) -> set[int]:
+    def r(alpha: float) -> float:
+        return ref_flmr(a, ref_set(a, d, p1, p2, alpha, extreme))
+
+    n = len(a)
+    if beta_max is not None and r(1.0) > beta_max:
+        ok = [x for x in alphas_between(0.0, 1.0, n, p1, p2) if r(x) <= beta_max]
+        return ref_set(a, d, p1, p2, max(ok), extreme)
+    if beta_min is not None and r(1.0) < beta_min:
+        amax = max(1.0, 1 / p1, 1 / p2)
+        up = [x for x in alphas_between(1.0, amax, n, p1, p2) if r(x) >= beta_min]
+        if not up:
+            return ref_set(a, d, p1, p2, 1.0, extreme)
+        grown = min(up)
+        if beta_max is not None and r(grown) > beta_max:
+            ok = [x for x in alphas_between(0.0, grown, n, p1, p2) if r(x) <= beta_max]
+            return ref_set(a, d, p1, p2, max(ok), extreme)
+        return ref_set(a, d, p1, p2, grown, extreme)
+    return ref_set(a, d, p1, p2, 1.0, extreme)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(-8, 8), st.integers(0, 6)), min_size=1, max_size=24),
+    p1=st.sampled_from([0.1, 0.2, 0.35, 0.5, 1.0]),
+    p2=st.sampled_from([0.15, 0.3, 0.5, 0.8]),
+    bounds=st.sampled_from([(None, None), (None, 0.05), (None, 0.2), (0.3, None), (0.3, 0.5),
+                            (0.1, 0.12), (0.6, 0.9), (0.0, 0.0)]),
+    extreme=st.sampled_from(["abs", "two_sided"]),
+)
+def test_matches_reference_algorithm2(data, p1, p2, bounds, extreme) -> None:
+    # integer-valued signals in quarters: exact in float32, with many ties
+    a = [x / 4 for x, _ in data]
+    d = [y / 4 for _, y in data]
+    beta_min, beta_max = bounds
+    valid = torch.ones(1, len(a), dtype=torch.bool)
+    out = spurious_token_mask(torch.tensor([a]), torch.tensor([d]), valid, p1=p1, p2=p2,
+                              beta_min=beta_min, beta_max=beta_max, extreme=extreme)
+    expected = reference_algorithm2(a, d, p1, p2, beta_min, beta_max, extreme)
+    assert set(out.mask[0].nonzero()[:, 0].tolist()) == expected
+    assert out.flmr == pytest.approx(ref_flmr(a, expected), abs=1e-6)
+    if beta_max is not None:
+        assert out.flmr <= beta_max  # always feasible: alpha = 0 filters nothing
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), beta_max=st.floats(0.0, 0.3))
+def test_flmr_never_exceeds_beta_max(seed: int, beta_max: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    a, d = torch.randn(8, 64, generator=g), torch.rand(8, 64, generator=g)
+    valid = torch.rand(8, 64, generator=g) < 0.7
+    for beta_min in (None, beta_max / 2, beta_max):
+        out = spurious_token_mask(a, d, valid, p1=0.2, p2=0.3, beta_min=beta_min,
+                                  beta_max=beta_max)
+        assert out.flmr <= beta_max
+        assert not (out.mask & ~valid).any()
+
+
+def test_p1_zero_filters_nothing_and_equals_vanilla_opd() -> None:
+    s = hand_signals()
+    sa = build_filter("sa_opd", p1=0.0, p2=0.3, beta_min=0.5)(s)
+    none = build_filter("none")(s)
+    assert torch.equal(sa.keep, none.keep) and torch.equal(sa.weights, none.weights)
+    assert sa.stats["flmr"] == 0.0
+
+
+def test_filter_stats_describe_the_set() -> None:
+    res = build_filter("sa_opd", p1=0.5, p2=0.5)(hand_signals())
+    st_ = res.stats
+    assert st_["n_valid"] == 6 and st_["n_filtered"] == 1
+    assert st_["filtered_ratio"] == pytest.approx(1 / 6)
+    assert st_["abs_a_filtered"] == pytest.approx(2.0)
+    assert st_["abs_a_kept"] == pytest.approx((TOTAL - 2.0) / 5, rel=1e-6)
+    assert st_["grounding_gap_filtered"] == pytest.approx(0.1, abs=1e-6)
+    assert st_["grounding_gap_kept"] == pytest.approx((0.1 + 3.0 + 0.0 + 0.2 + 2.0) / 5, abs=1e-6)
+    assert res.keep.tolist() == [[False, True, True, True, True, True, False]]
+    assert res.filtered.tolist() == mask_of({0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"p1": 1.5}, r"p1 must be in \[0, 1\], got 1.5"),
+        ({"p2": -0.1}, r"p2 must be in \[0, 1\], got -0.1"),
+        ({"beta_min": 0.5, "beta_max": 0.2}, "beta_min must be <= beta_max"),
+        ({"beta_max": float("nan")}, "beta_max must be in"),
+        ({"extreme": "top"}, r"extreme must be one of \['abs', 'two_sided'\], got 'top'"),
+    ],
+)
+def test_bad_hyperparameters(kwargs: dict, match: str) -> None:
+    params = {"p1": 0.2, "p2": 0.3} | kwargs
+    s = hand_signals()
+    with pytest.raises(ValueError, match=match):
+        spurious_token_mask(s.a_full, s.grounding_gap, s.valid, **params)
+    with pytest.raises(ValueError, match=match):
+        build_filter("sa_opd", **params)
+
+
+def test_shape_mismatch_and_unknown_names() -> None:
+    s = hand_signals()
+    with pytest.raises(ValueError, match=r"delta has shape \(1, 6\) but valid has \(1, 7\)"):
+        spurious_token_mask(s.a_full, s.grounding_gap[:, :6], s.valid, p1=0.2, p2=0.3)
+    with pytest.raises(ValueError, match=r"unknown filter 'sa-opd'; allowed: .*sa_opd"):
+        build_filter("sa-opd")
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['beta'\]"):
+        build_filter("sa_opd", beta=0.1)
+
+
+def test_vanilla_signals_cannot_feed_sa_opd() -> None:
+    s = TokenSignals(lp_student=-torch.ones(1, 3), lp_teacher=-torch.ones(1, 3),
+                     valid=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="filter 'sa_opd' needs TokenSignals field"):
+        build_filter("sa_opd")(s)
+    assert math.isclose(build_filter("none")(s).stats["flmr"], 0.0)
