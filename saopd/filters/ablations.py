@@ -26,7 +26,13 @@ from saopd.filters.base import (
     result_from_filtered,
     scatter_valid,
 )
-from saopd.filters.ranks import IntersectionPath, count_for, largest_k_mask, smallest_k_mask
+from saopd.filters.ranks import (
+    IntersectionPath,
+    alpha_to_fill,
+    count_for,
+    largest_k_mask,
+    smallest_k_mask,
+)
 from saopd.filters.sa_opd import SAOPDParams
 from saopd.signals.token_signals import TokenSignals
 
@@ -140,10 +146,10 @@ class ProxyReplacementFilter(CalibratedFilter):
         if n == 0 or self.p1 == 0.0 or self.p2 == 0.0:
             return result_from_filtered(signals, torch.zeros_like(valid), alpha=1.0,
                                         p1=self.p1, p2=self.p2)
-        alpha_max = max(1.0, 1.0 / self.p1, 1.0 / self.p2)
+        alpha_max = max(1.0, alpha_to_fill(self.p1), alpha_to_fill(self.p2))
         ones = torch.ones(n, device=valid.device)
         path = IntersectionPath(proxy[valid], signals.a_full[valid], ones, self.p1, self.p2,
-                                extreme=self.extreme, max_alpha=alpha_max)
+                                extreme=self.extreme)
         below = path.largest_alpha_at_most(0.0, alpha_max, float(target))
         above = path.smallest_alpha_at_least(0.0, alpha_max, float(target))
         alpha = below

@@ -55,8 +55,10 @@ def filtered_loss_mass_ratio(a_full: torch.Tensor, filtered: torch.Tensor,
     Args: ``a_full`` float [B, T] (or [N]), ``filtered`` bool (True = in F, subset of V),
     ``valid`` bool (True = in V), all of one shape.
     """
-    abs_a = a_full.detach().double().abs()  # float64 sums: the bound test is exact to ~1e-15
-    return float(abs_a[filtered & valid].sum()) / (float(abs_a[valid].sum()) + FLMR_EPS)
+    abs_a = a_full.detach().float().abs()
+    # float64 accumulation, as in SA-OPD's alpha search, so bound checks agree to ~1e-15
+    in_f = abs_a[filtered & valid].sum(dtype=torch.float64)
+    return float(in_f) / (float(abs_a[valid].sum(dtype=torch.float64)) + FLMR_EPS)
 
 
 def scatter_valid(compact: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -65,8 +67,7 @@ def scatter_valid(compact: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     Invalid positions get False / 0. Inverse of ``x[valid]``.
     """
     out = torch.zeros(valid.shape, dtype=compact.dtype, device=compact.device)
-    out[valid] = compact
-    return out
+    return out.masked_scatter_(valid, compact)
 
 
 def filter_stats(signals: TokenSignals, filtered: torch.Tensor, *, alpha: float = 1.0,

@@ -25,11 +25,10 @@ from saopd.filters.base import (
     FLMR_EPS,
     FilterResult,
     TokenFilter,
-    filtered_loss_mass_ratio,
     result_from_filtered,
     scatter_valid,
 )
-from saopd.filters.ranks import IntersectionPath
+from saopd.filters.ranks import IntersectionPath, alpha_to_fill
 from saopd.signals.token_signals import TokenSignals
 
 EXTREMES = ("abs", "two_sided")
@@ -129,7 +128,7 @@ def spurious_token_mask(
     abs_a = a.double().abs()  # float64, as filtered_loss_mass_ratio, so bound checks agree
     total = float(abs_a.sum()) + FLMR_EPS
     weight = abs_a / total  # path.mass(alpha) is then r(alpha) = FLMR(F_alpha)
-    path = IntersectionPath(d, a, weight, p1, p2, extreme=extreme, max_alpha=1.0)
+    path = IntersectionPath(d, a, weight, p1, p2, extreme=extreme)
 
     alpha, branch = 1.0, "fixed"
     if adaptive:
@@ -138,21 +137,22 @@ def spurious_token_mask(
         if beta_max is not None and r1 > beta_max:
             alpha, branch = path.largest_alpha_at_most(0.0, 1.0, beta_max), "shrink"
         elif beta_min is not None and r1 < beta_min:
-            alpha_max = max(1.0, 1.0 / p1, 1.0 / p2)
-            wide = IntersectionPath(d, a, weight, p1, p2, extreme=extreme, max_alpha=alpha_max)
-            grown = wide.smallest_alpha_at_least(1.0, alpha_max, beta_min)
+            alpha_max = max(1.0, alpha_to_fill(p1), alpha_to_fill(p2))
+            grown = path.smallest_alpha_at_least(1.0, alpha_max, beta_min)
             if grown is None:
                 branch = "unreachable"
-            elif beta_max is not None and wide.mass(grown) > beta_max:
-                alpha = wide.largest_alpha_at_most(0.0, grown, beta_max)
-                branch, path = "grow_then_shrink", wide
+            elif beta_max is not None and path.mass(grown) > beta_max:
+                # Algorithm 2 searches [0, alpha_max]; r is monotone and r(1) < beta_min <=
+                # beta_max, so the answer lies in [1, grown]: same alpha, smaller search.
+                alpha = path.largest_alpha_at_most(1.0, grown, beta_max)
+                branch = "grow_then_shrink"
             else:
-                alpha, branch, path = grown, "grow", wide
+                alpha, branch = grown, "grow"
 
-    mask = scatter_valid(path.mask(alpha), valid)
+    compact = path.mask(alpha)
     return SpuriousMask(
-        mask=mask,
-        flmr=filtered_loss_mass_ratio(a_full, mask, valid),
+        mask=scatter_valid(compact, valid),
+        flmr=float(weight[compact].sum()),  # = filtered_loss_mass_ratio (Eq. 17), float64
         alpha=alpha,
         p1=min(max(alpha * p1, 0.0), 1.0),
         p2=min(max(alpha * p2, 0.0), 1.0),

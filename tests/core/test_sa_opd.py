@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from fractions import Fraction
 
 import hypothesis.strategies as st
 import pytest
@@ -12,7 +13,7 @@ from conftest import TOTAL, hand_signals, mask_of  # the hand-made batch
 from hypothesis import given, settings
 
 from saopd.filters import build_filter, spurious_token_mask
-from saopd.filters.ranks import count_for
+from saopd.filters.ranks import count_for, decimal
 from saopd.signals import TokenSignals
 
 
@@ -59,7 +60,7 @@ def test_branch_grow() -> None:
     assert out.mask.tolist() == mask_of({0, 1, 4, 5})
     assert out.flmr == pytest.approx(6.0 / TOTAL, rel=1e-6)
     assert out.alpha == pytest.approx(5 / 3, rel=1e-9)
-    assert count_for(out.alpha * 0.5, 6) == 5
+    assert count_for(0.5, 6, out.alpha) == 5
     assert (out.p1, out.p2) == (pytest.approx(5 / 6), pytest.approx(5 / 6))
 
 
@@ -81,10 +82,10 @@ def test_unreachable_lower_bound_keeps_alpha_one() -> None:
 
 
 # ---- a plain reference of Algorithm 2 over every reachable set ------------------------------
-def ref_set(a: list[float], d: list[float], p1: float, p2: float, alpha: float,
+def ref_set(a: list[float], d: list[float], p1: float, p2: float, alpha: Fraction,
             extreme: str) -> set[int]:
     n = len(a)
-    k1, k2 = count_for(alpha * p1, n), count_for(alpha * p2, n)
+    k1, k2 = count_for(p1, n, alpha), count_for(p2, n, alpha)
     by_gap = sorted(range(n), key=lambda i: (d[i], i))[:k1]
     if extreme == "abs":
         ext = set(sorted(range(n), key=lambda i: (-abs(a[i]), i))[:k2])
@@ -98,40 +99,43 @@ def ref_flmr(a: list[float], f: set[int]) -> float:
     return sum(abs(a[i]) for i in f) / (sum(abs(x) for x in a) + 1e-8)
 
 
-def alphas_between(lo: float, hi: float, n: int, p1: float, p2: float) -> list[float]:
-    """Every breakpoint of (k1, k2) in [lo, hi] plus midpoints: all reachable sets."""
+def alphas_between(lo: Fraction, hi: Fraction, n: int, p1: float, p2: float) -> list[Fraction]:
+    """Every breakpoint of (k1, k2) in [lo, hi] plus midpoints, exactly: all reachable sets.
+
+    The ratios are read as the decimals they were written as (0.15 = 3/20), as the filter does.
+    """
     pts = {lo, hi}
-    for p in (p1, p2):
+    for p in (decimal(p1), decimal(p2)):
         pts |= {j / (p * n) for j in range(1, n + 1) if lo <= j / (p * n) <= hi}
     pts_sorted = sorted(pts)
     return sorted(set(pts_sorted) | {(x + y) / 2 for x, y in itertools.pairwise(pts_sorted)})
 
 
 def reference_algorithm2(a, d, p1, p2, beta_min, beta_max, extreme) -> set[int]:
-    def r(alpha: float) -> float:
+    def r(alpha: Fraction) -> float:
         return ref_flmr(a, ref_set(a, d, p1, p2, alpha, extreme))
 
-    n = len(a)
-    if beta_max is not None and r(1.0) > beta_max:
-        ok = [x for x in alphas_between(0.0, 1.0, n, p1, p2) if r(x) <= beta_max]
+    n, one = len(a), Fraction(1)
+    if beta_max is not None and r(one) > beta_max:
+        ok = [x for x in alphas_between(Fraction(0), one, n, p1, p2) if r(x) <= beta_max]
         return ref_set(a, d, p1, p2, max(ok), extreme)
-    if beta_min is not None and r(1.0) < beta_min:
-        amax = max(1.0, 1 / p1, 1 / p2)
-        up = [x for x in alphas_between(1.0, amax, n, p1, p2) if r(x) >= beta_min]
+    if beta_min is not None and r(one) < beta_min:
+        amax = max(one, 1 / decimal(p1), 1 / decimal(p2))
+        up = [x for x in alphas_between(one, amax, n, p1, p2) if r(x) >= beta_min]
         if not up:
-            return ref_set(a, d, p1, p2, 1.0, extreme)
+            return ref_set(a, d, p1, p2, one, extreme)
         grown = min(up)
         if beta_max is not None and r(grown) > beta_max:
-            ok = [x for x in alphas_between(0.0, grown, n, p1, p2) if r(x) <= beta_max]
+            ok = [x for x in alphas_between(Fraction(0), grown, n, p1, p2) if r(x) <= beta_max]
             return ref_set(a, d, p1, p2, max(ok), extreme)
         return ref_set(a, d, p1, p2, grown, extreme)
-    return ref_set(a, d, p1, p2, 1.0, extreme)
+    return ref_set(a, d, p1, p2, one, extreme)
 
 
 @settings(max_examples=150, deadline=None)
 @given(
     data=st.lists(st.tuples(st.integers(-8, 8), st.integers(0, 6)), min_size=1, max_size=24),
-    p1=st.sampled_from([0.1, 0.2, 0.35, 0.5, 1.0]),
+    p1=st.sampled_from([0.1, 0.2, 0.35, 0.5, 1.0, 1 / 3]),
     p2=st.sampled_from([0.15, 0.3, 0.5, 0.8]),
     bounds=st.sampled_from([(None, None), (None, 0.05), (None, 0.2), (0.3, None), (0.3, 0.5),
                             (0.1, 0.12), (0.6, 0.9), (0.0, 0.0)]),
@@ -221,3 +225,16 @@ def test_vanilla_signals_cannot_feed_sa_opd() -> None:
     with pytest.raises(ValueError, match="filter 'sa_opd' needs TokenSignals field"):
         build_filter("sa_opd")(s)
     assert math.isclose(build_filter("none")(s).stats["flmr"], 0.0)
+
+
+def test_coinciding_breakpoints_jump_together() -> None:
+    # p1 = 0.1, p2 = 0.15 over n = 10: k1 = floor(alpha) and k2 = floor(1.5 alpha) both jump at
+    # alpha = 6 (to 6 and 9). In float arithmetic 6 * 0.15 * 10 = 8.999..., so a float rule would
+    # briefly give (6, 8), a set no real alpha produces; the exact decimal rule never does.
+    a = [0, 0, 0, 0, 0, 0, 0.25, 0, 0.25, 0.25]
+    d = [0, 0, 0, 0, 0.25, 0, 0, 0, 0, 0]
+    out = spurious_token_mask(torch.tensor([a]), torch.tensor([d]),
+                              torch.ones(1, 10, dtype=torch.bool), p1=0.1, p2=0.15, beta_min=0.3)
+    assert out.branch == "grow"
+    assert out.mask[0].nonzero()[:, 0].tolist() == [0, 1, 2, 3, 5, 6]  # Bottom_6 ∩ Top_9
+    assert count_for(0.1, 10, out.alpha) == 6 and count_for(0.15, 10, out.alpha) == 9
