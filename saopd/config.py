@@ -1,0 +1,214 @@
+"""Typed schema of ``saopd-train``'s Hydra config (``conf/train.yaml`` merges onto it).
+
+Every group is a dataclass: OmegaConf checks types and refuses unknown keys when the YAML files
+and command-line overrides are merged, and :func:`to_train_config` instantiates the dataclasses,
+whose ``__post_init__`` checks value ranges (the error names the key and the allowed range).
+Filters and objectives are free-form dicts (``name`` + hyperparameters) validated by their
+registries, which know each variant's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from saopd._checks import check_choice, check_fraction, check_positive
+from saopd.lightning.module import OptimConfig, StepConfig
+from saopd.models.factory import ModelConfig
+
+LONG_PROMPT_MODES = ("skip", "error", "truncate")
+ENGINES = ("hf",)
+LOGGERS = ("mlflow", "none")
+
+
+def _positive_int(owner: str, name: str, value: Any, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        what = "null or an int >= 1" if allow_none else "an int >= 1"
+        key = f"{owner}.{name}" if owner else name
+        raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of the student's responses (one call per step).
+
+    Attributes:
+        engine: ``hf`` (transformers ``generate``; vLLM arrives with the scale-out work).
+        n: responses per prompt.
+        temperature, top_p: sampling (the paper: 1.0, 1.0 in training).
+        max_new_tokens: response length limit.
+        batch_size: prompts per ``generate`` call (None = all of the step's prompts).
+        greedy: argmax decoding instead of sampling (debugging, evaluation).
+    """
+
+    engine: str = "hf"
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    batch_size: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("engine", self.engine, ENGINES, owner="rollout")
+        _positive_int("rollout", "n", self.n)
+        _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
+        _positive_int("rollout", "batch_size", self.batch_size, allow_none=True)
+        check_positive("temperature", self.temperature, owner="rollout")
+        check_fraction("top_p", self.top_p, owner="rollout")
+
+
+@dataclass
+class DataConfig:
+    """Training prompts.
+
+    Attributes:
+        source: ``gsm8k`` (JSONL rows with ``question``/``answer``).
+        path: the JSONL file.
+        limit: use only the first ``limit`` rows.
+        system_prompt: optional system turn before each question.
+        instruction: text appended to each question (null = the bare question).
+        skip_bad: skip malformed rows (counted) instead of stopping at the first one.
+        max_prompt_length: prompts whose rendered chat template is longer are ``skip``-ped
+            (counted), raise (``error``), or are left-truncated when contexts are built
+            (``truncate``).
+        shuffle: shuffle the prompt order (seeded per epoch).
+    """
+
+    source: str = "gsm8k"
+    path: str = MISSING
+    limit: int | None = None
+    system_prompt: str | None = None
+    instruction: str | None = (
+        "Let's think step by step and output the final answer after \"####\"."
+    )
+    skip_bad: bool = False
+    max_prompt_length: int | None = None
+    long_prompts: str = "skip"
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("source", self.source, ("gsm8k",), owner="data")
+        check_choice("long_prompts", self.long_prompts, LONG_PROMPT_MODES, owner="data")
+        _positive_int("data", "limit", self.limit, allow_none=True)
+        _positive_int("data", "max_prompt_length", self.max_prompt_length, allow_none=True)
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings.
+
+    Attributes:
+        accelerator, devices, num_nodes, strategy, precision: as in Lightning
+            (``precision``: ``32-true`` on CPU, ``bf16-mixed`` on GPU).
+        checkpoint_every_n_steps: save a checkpoint (and ``last.ckpt``) this often.
+        view_every_n_steps: write the filtered-token HTML view this often (0 = never).
+        progress_bar: show Lightning's progress bar.
+    """
+
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    checkpoint_every_n_steps: int = 10
+    view_every_n_steps: int = 10
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("trainer", "checkpoint_every_n_steps", self.checkpoint_every_n_steps)
+        _positive_int("trainer", "num_nodes", self.num_nodes)
+        if not isinstance(self.view_every_n_steps, int) or self.view_every_n_steps < 0:
+            raise ValueError(
+                f"trainer.view_every_n_steps must be an int >= 0, got {self.view_every_n_steps!r}"
+            )
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking.
+
+    Attributes:
+        kind: ``mlflow`` or ``none``.
+        tracking_uri: MLflow store; default ``sqlite:///<repo root>/mlflow.db``.
+        experiment_name: MLflow experiment (default: the run's ``experiment_name``).
+        run_name: MLflow run name (default: derived from experiment, filter and seed).
+        tags: extra MLflow tags (sweep, study, ...).
+    """
+
+    kind: str = "mlflow"
+    tracking_uri: str | None = None
+    experiment_name: str | None = None
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_choice("kind", self.kind, LOGGERS, owner="logger")
+
+
+@dataclass
+class PathsConfig:
+    """Where things go. ``root``: the repository (data and the MLflow store); ``output_dir``:
+    this run's folder (checkpoints, token views, the resolved config)."""
+
+    root: str = MISSING
+    output_dir: str = MISSING
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``saopd-train`` needs; see ``conf/train.yaml`` and ``conf/experiment/``.
+
+    Attributes:
+        experiment_name: names the MLflow experiment and the output folder.
+        seed: seeds model init, prompt order, sampling and the random filter.
+        steps: optimizer steps (one rollout batch each).
+        prompts_per_step: prompts per step (x ``rollout.n`` responses).
+        resume: null (fresh run), ``auto`` (the latest ``last.ckpt`` of this experiment, if
+            any) or a checkpoint path; resuming continues the same MLflow run.
+        reference_from_student: build ExOPD's frozen reference as a copy of the initial student
+            (only when the objective needs it).
+    """
+
+    student: ModelConfig = MISSING
+    teacher: ModelConfig = MISSING
+    filter: dict[str, Any] = MISSING
+    objective: dict[str, Any] = MISSING
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    step: StepConfig = field(default_factory=StepConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment_name: str = "default"
+    seed: int = 0
+    steps: int = 10
+    prompts_per_step: int = 4
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("", "steps", self.steps)
+        _positive_int("", "prompts_per_step", self.prompts_per_step)
+        for group in ("filter", "objective"):
+            value = getattr(self, group)
+            if not isinstance(value, dict) or "name" not in value:
+                raise ValueError(f"{group} must be a mapping with a 'name' key, got {value!r}")
+
+
+def register_schema() -> None:
+    """Make ``train_schema`` available to ``conf/train.yaml``'s defaults list."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Resolve interpolations and build (and so validate) the dataclasses."""
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise ValueError(f"config does not follow the train schema (got {type(obj).__name__})")
+    return obj

@@ -1,0 +1,82 @@
+"""Callbacks: rollouts before every step, the filtered-token view every N steps."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from saopd.rollout.base import RolloutEngine, SamplingParams
+
+
+class RolloutCallback(L.Callback):
+    """Samples this step's responses from the current student before ``training_step``.
+
+    Generation runs in eval mode under ``no_grad`` (the engine's job); with a seed, step k
+    samples with ``seed + k`` so a resumed run draws exactly what an uninterrupted one would.
+    Engines that hold their own weights (vLLM) get the student's weights after every step.
+    """
+
+    def __init__(self, engine: RolloutEngine, sampling: SamplingParams,
+                 sync_weights: bool = False) -> None:
+        self.engine = engine
+        self.sampling = sampling
+        self.sync_weights = sync_weights
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict[str, Any],
+                             batch_idx: int) -> None:
+        pl_module.step_started = time.perf_counter()
+        sampling = self.sampling
+        if sampling.seed is not None:
+            sampling = SamplingParams(**{**sampling.__dict__,
+                                         "seed": sampling.seed + trainer.global_step})
+        pl_module.pending_rollouts = self.engine.generate(batch["messages"], sampling)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self.sync_weights:
+            self.engine.load_weights(pl_module.student.named_parameters())
+
+
+class TokenViewCallback(L.Callback):
+    """Every ``every_n_steps``, renders the last step's responses as an HTML page.
+
+    Each response token is coloured by A_full, with its grounding gap in the tooltip, and the
+    tokens SA-OPD filtered are outlined (the paper's Appendix E view). Pages are written to
+    ``<out_dir>/token_view/step_XXXXXX.html`` (the 0-based step index that its metrics carry in
+    MLflow) and logged to MLflow when an MLflow logger is used.
+    """
+
+    def __init__(self, every_n_steps: int, out_dir: str | Path, max_rows: int = 8) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.out_dir = Path(out_dir)
+        self.max_rows = max_rows
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        view = getattr(pl_module, "last_view", None)
+        done = trainer.global_step  # optimizer steps done, this one included
+        if view is None or done % self.every_n_steps != 0:
+            return
+        step = done - 1  # the step index its metrics are logged under (0-based)
+        from saopd.analysis.token_view import render_token_view, token_rows_from_batch
+
+        tok = pl_module.tokenizer
+        prompts = [m[-1]["content"] if m else "" for m in view["messages"]]
+        rows = token_rows_from_batch(tok, prompts, view["response_ids"], view["valid"],
+                                     view["a_full"], view["a_res"], view["filtered"],
+                                     max_rows=self.max_rows)
+        html = render_token_view(rows, title=f"step {step}: filter "
+                                 f"{pl_module.token_filter.name}", stats=view["stats"])
+        path = self.out_dir / "token_view" / f"step_{step:06d}.html"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(html, encoding="utf-8")
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, MLFlowLogger):
+                logger.experiment.log_artifact(logger.run_id, str(path), "token_view")

@@ -1,0 +1,96 @@
+"""Prompt batches for training: one batch per optimizer step, resumable at any step.
+
+Step k trains on prompts ``stream[k*B : (k+1)*B]`` of one endless stream that concatenates the
+epochs' shuffled orders (epoch e: ``PromptSampler.order(e)``, seeded by ``seed + e``). The batch
+of a step is therefore a pure function of (seed, step): a run resumed at step k draws exactly the
+prompts an uninterrupted run would, whatever the DataLoader prefetched before the interruption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader, Sampler
+
+from saopd.data.prompts import PromptDataset, PromptRecord, PromptSampler, collate_prompts
+
+
+class StepBatchSampler(Sampler[list[int]]):
+    """Yields the index batches of steps ``start_step, ..., num_steps - 1``.
+
+    ``start_step`` may be a callable, read each time iteration starts: the training loop's
+    current step. Lightning re-iterates a loader at every epoch start and, after a mid-epoch
+    resume, counts the epoch's batches from where the checkpoint was; reading the step at
+    ``iter()`` keeps batch k tied to step k in every case. ``len()`` is ``num_steps``.
+    """
+
+    def __init__(self, num_prompts: int, batch_size: int, num_steps: int, *, seed: int = 0,
+                 shuffle: bool = True, start_step: int | Callable[[], int] = 0) -> None:
+        if batch_size < 1 or num_steps < 1:
+            raise ValueError(f"batch_size and num_steps must be >= 1, got {batch_size}, "
+                             f"{num_steps}")
+        self.order = PromptSampler(num_prompts, seed=seed, shuffle=shuffle)
+        self.num_prompts, self.batch_size, self.num_steps = num_prompts, batch_size, num_steps
+        self.start_step = start_step
+
+    def batch(self, step: int) -> list[int]:
+        """Prompt indices of optimizer step ``step``."""
+        first = step * self.batch_size
+        out: list[int] = []
+        epoch, pos = divmod(first, self.num_prompts)
+        while len(out) < self.batch_size:
+            order = self.order.order(epoch)
+            take = order[pos: pos + self.batch_size - len(out)]
+            out.extend(take)
+            epoch, pos = epoch + 1, 0
+        return out
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.start_step() if callable(self.start_step) else self.start_step
+        for step in range(start, self.num_steps):
+            yield self.batch(step)
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Serves ``prompts_per_step`` prompts per training step from a list of records."""
+
+    def __init__(self, records: Sequence[PromptRecord], *, prompts_per_step: int, num_steps: int,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        super().__init__()
+        if not records:
+            raise ValueError("the training prompt set is empty")
+        self.records = list(records)
+        self.prompts_per_step = prompts_per_step
+        self.num_steps = num_steps
+        self.seed = seed
+        self.shuffle = shuffle
+        self.start_step = 0
+
+    def _current_step(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else self.start_step
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = StepBatchSampler(len(self.records), self.prompts_per_step, self.num_steps,
+                                   seed=self.seed, shuffle=self.shuffle,
+                                   start_step=self._current_step)
+        return DataLoader(PromptDataset(self.records), batch_sampler=sampler,
+                          collate_fn=collate_prompts, num_workers=0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "prompts_per_step": self.prompts_per_step,
+                "num_prompts": len(self.records)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            mine = {"seed": self.seed, "prompts_per_step": self.prompts_per_step,
+                    "num_prompts": len(self.records)}[key]
+            if mine != value:
+                raise ValueError(
+                    f"cannot resume: the checkpoint's data has {key}={value} but this run has "
+                    f"{key}={mine}; the prompt order would differ"
+                )

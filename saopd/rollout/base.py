@@ -1,0 +1,121 @@
+"""The rollout-engine protocol: sample responses from the current student.
+
+An engine turns a batch of chat prompts into sampled responses (token ids, plus the sampler's
+log-probs of the sampled tokens when it can report them). Training calls ``generate`` once per
+step from a Lightning callback, and ``load_weights`` after each optimizer step for engines that
+hold their own copy of the weights (vLLM); engines that sample from the live student module (HF
+``generate``) need no sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from saopd._checks import check_fraction, check_positive
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are sampled.
+
+    Attributes:
+        n: samples per prompt (>= 1).
+        temperature: softmax temperature (> 0; the paper samples at 1.0).
+        top_p: nucleus mass in (0, 1].
+        max_new_tokens: response length limit (>= 1); longer responses are cut and marked
+            unfinished.
+        seed: base seed of the sampler (None = the global RNG).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1, got {self.n!r}")
+        check_positive("temperature", self.temperature, owner="SamplingParams")
+        check_fraction("top_p", self.top_p, owner="SamplingParams")
+        if self.top_p == 0:
+            raise ValueError("SamplingParams.top_p must be in (0, 1], got 0")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}"
+            )
+
+
+@dataclass
+class Rollout:
+    """One sampled response.
+
+    Attributes:
+        prompt_index: index of its prompt in the batch of ``generate``.
+        response_ids: sampled token ids, no padding; ends with the EOS token when ``finished``.
+        sampler_logprobs: log-prob of each sampled token under the engine's *untempered*
+            distribution (log softmax of the raw logits, vLLM's ``raw`` mode), aligned with
+            ``response_ids``; None when the engine does not report them.
+        finished: True if sampling stopped at an EOS token, False if cut at max_new_tokens.
+    """
+
+    prompt_index: int
+    response_ids: list[int]
+    sampler_logprobs: list[float] | None = None
+    finished: bool = True
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts of one ``generate`` call: ``n`` per kept prompt, grouped by prompt.
+
+    ``messages`` are all the prompts given to ``generate`` and ``Rollout.prompt_index`` indexes
+    them, so ``len(rollouts) == (len(messages) - num_skipped_prompts) * n``.
+
+    Attributes:
+        num_truncated_prompts: prompts longer than the engine's prompt limit that were cut (the
+            first tokens dropped) before sampling.
+        num_skipped_prompts: prompts longer than the limit that got no rollouts at all.
+    """
+
+    messages: list[list[Message]]
+    rollouts: list[Rollout] = field(default_factory=list)
+    num_truncated_prompts: int = 0
+    num_skipped_prompts: int = 0
+
+    def row_messages(self) -> list[list[Message]]:
+        """The prompt of each rollout, aligned with ``rollouts``."""
+        return [self.messages[r.prompt_index] for r in self.rollouts]
+
+    def response_lengths(self) -> torch.Tensor:
+        return torch.tensor([len(r.response_ids) for r in self.rollouts], dtype=torch.long)
+
+    def sampler_logprobs(self, length: int) -> torch.Tensor | None:
+        """[B, length] float32 right-padded sampler log-probs, or None if any is missing."""
+        if not self.rollouts or any(r.sampler_logprobs is None for r in self.rollouts):
+            return None
+        out = torch.zeros(len(self.rollouts), length)
+        for i, r in enumerate(self.rollouts):
+            lp = r.sampler_logprobs or []
+            out[i, : len(lp)] = torch.tensor(lp[:length])
+        return out
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What training needs from a sampler."""
+
+    def generate(self, messages: Sequence[list[Message]], sampling: SamplingParams
+                 ) -> RolloutBatch:
+        """Sample ``sampling.n`` responses for each chat prompt."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make the engine sample from these student weights from now on."""
+        ...

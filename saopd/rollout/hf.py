@@ -1,0 +1,433 @@
+"""A rollout engine that samples from the live student module with HF ``generate``.
+
+:class:`HFGenerateEngine` renders each chat with the tokenizer's chat template, left-pads a batch
+of prompts (each repeated ``n`` times), samples with ``model.generate`` and returns the responses
+with the sampler's log-probs. It holds no copy of the weights: it samples from the very module
+being trained, so there is nothing to synchronise after an optimizer step.
+
+Sampling is exactly :class:`~saopd.rollout.base.SamplingParams`: temperature, nucleus ``top_p``
+and nothing else. The model's own ``generation_config`` (e.g. Qwen's ``top_k=20``,
+``repetition_penalty=1.05``, HF's global default ``top_k=50``) is ignored for the duration of the
+call, so the sampled distribution is ``softmax(logits / T)`` restricted to the top-p nucleus, the
+same as vLLM's.
+
+Sampler log-probs are ``log_softmax`` of the *raw* logits (untempered, before any
+top-p/temperature processing) at the sampled token, i.e. what ``output_logits=True`` returns,
+not ``output_scores`` (processed). They are recorded on the fly by a logits processor that runs
+before HF's temperature/top-p warpers, so memory is ``O(rows x vocabulary)`` instead of the
+``O(rows x max_new_tokens x vocabulary)`` of keeping every step's logits (for Qwen's 151,936-token
+vocabulary, 64 rows x 1,024 steps would be 40 GB). The tests check them against
+``output_logits`` and against a teacher-forced forward pass of the same model.
+
+Responses are cut after their first stop token (kept). Stop tokens: the tokenizer's EOS, the
+chat template's end-of-turn token when it differs (``<|im_end|>``, ``<|eot_id|>``,
+``<end_of_turn>``, ``<|end|>``: those of them that are in the vocabulary and appear in the
+template) and the model's ``generation_config.eos_token_id`` (Qwen lists ``<|im_end|>`` and
+``<|endoftext|>``), unless ``eos_token_ids`` is given. A response that stops at once is
+``[eos]`` (length 1, ``finished=True``); a response of length 0 cannot occur, since
+``max_new_tokens >= 1`` and at least one token is always sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from saopd.data.contexts import render_prompt_ids
+from saopd.rollout.base import Message, Rollout, RolloutBatch, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "END_OF_TURN_TOKENS",
+    "PROMPT_TRUNCATION_MODES",
+    "HFGenerateEngine",
+    "default_stop_token_ids",
+]
+
+PROMPT_TRUNCATION_MODES = ("left", "error", "skip")
+# Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def _check_optional_int(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"HFGenerateEngine.{name} must be None or an int >= 1, got {value!r}")
+    return value
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def default_stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None
+) -> tuple[int, ...]:
+    """EOS, the chat template's end-of-turn token and the model's generation-config EOS ids.
+
+    Order: tokenizer EOS first, duplicates removed. Raises ``ValueError`` when none is found.
+    """
+    ids: list[int] = _as_id_list(tokenizer.eos_token_id)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):  # a dict of named templates
+        template = " ".join(str(t) for t in dict(template).values())
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
+    gen_config = getattr(model, "generation_config", None)
+    if gen_config is not None:
+        ids += _as_id_list(getattr(gen_config, "eos_token_id", None))
+    out = tuple(dict.fromkeys(ids))
+    if not out:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no eos token and its chat template no known "
+            "end-of-turn token; pass eos_token_ids=[...]"
+        )
+    return out
+
+
+class _RawLogprobRecorder:
+    """A logits processor (first in HF's list) that records ``log_softmax(raw logits)`` of the
+    sampled tokens and passes the logits on unchanged.
+
+    At step ``t`` it receives the raw logits of step ``t`` and ``input_ids`` ending with the
+    token sampled at step ``t - 1``; it gathers that token's log-prob from the previous step's
+    distribution. The last token's is gathered in :meth:`finish`.
+    """
+
+    def __init__(self) -> None:
+        self.prev: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prev is not None:
+            self.steps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, sequences: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        """``[rows, T]`` log-probs of ``sequences[:, prompt_len:]`` (``T`` generated tokens)."""
+        num_new = sequences.shape[1] - prompt_len
+        steps = self.steps[:num_new]  # generate may run (and undo) steps past the stop
+        if len(steps) == num_new - 1:
+            assert self.prev is not None
+            steps.append(self.prev.gather(-1, sequences[:, -1:]).squeeze(-1))
+        if len(steps) != num_new:
+            raise RuntimeError(
+                f"recorded {len(steps)} sampler log-probs for {num_new} generated tokens "
+                "(was the logits processor skipped?)"
+            )
+        self.prev = None
+        return torch.stack(steps, dim=1)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Seed the CPU RNG and ``device``'s RNG for the block, then restore both states."""
+    if seed is None:
+        yield
+        return
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+    elif device.type == "cuda":
+        # fork_rng restores only the listed device: seed only that one (torch.manual_seed would
+        # re-seed every GPU of the process)
+        with torch.random.fork_rng(devices=[device]):
+            torch.random.default_generator.manual_seed(seed)
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            torch.manual_seed(seed)
+            yield
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode for the block; afterwards every submodule gets its own previous mode back."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+class HFGenerateEngine:
+    """Samples rollouts from a live HF causal LM (the student being trained).
+
+    Args:
+        model: a ``transformers`` causal LM (anything with ``generate``), on CPU or GPU (inputs
+            go to the device of its first parameter).
+        tokenizer: its tokenizer, with a chat template.
+        batch_size: prompts per ``model.generate`` call (each repeated ``n`` times, so
+            ``batch_size * n`` rows); None = all prompts in one call.
+        max_prompt_length: limit on rendered prompt tokens; None = no limit.
+        prompt_truncation: what to do with a longer prompt: ``"left"`` keeps its last
+            ``max_prompt_length`` tokens, ``"error"`` raises ``ValueError`` naming the prompt,
+            ``"skip"`` samples nothing for it. Counts go to ``RolloutBatch.num_truncated_prompts``
+            / ``num_skipped_prompts``.
+        greedy: argmax decoding instead of sampling (for tests and evaluation; temperature and
+            top_p are then ignored, sampler log-probs are still the raw ones).
+        chat_template_kwargs: extra variables for the chat template (e.g.
+            ``{"enable_thinking": False}`` for Qwen3).
+        eos_token_ids: stop tokens; None = :func:`default_stop_token_ids`.
+
+    Generation runs under ``torch.no_grad()`` with the model in eval mode; each submodule's
+    train/eval mode is restored afterwards. With ``SamplingParams.seed`` set, the CPU RNG and the
+    model device's RNG are seeded for the call and restored afterwards, so the training RNG
+    stream is not perturbed; results are then reproducible for the same prompts, ``batch_size``,
+    model and device. With ``seed=None`` the global RNG is used (and advanced).
+
+    The rollouts of a skipped prompt are absent: ``RolloutBatch.messages`` still lists every
+    prompt and ``Rollout.prompt_index`` indexes it.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        batch_size: int | None = None,
+        max_prompt_length: int | None = None,
+        prompt_truncation: str = "left",
+        greedy: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> None:
+        if not callable(getattr(model, "generate", None)):
+            raise TypeError(f"model must have a generate method, got {type(model).__name__}")
+        if prompt_truncation not in PROMPT_TRUNCATION_MODES:
+            raise ValueError(
+                f"HFGenerateEngine.prompt_truncation must be one of "
+                f"{list(PROMPT_TRUNCATION_MODES)}, got {prompt_truncation!r}"
+            )
+        if not isinstance(greedy, bool):
+            raise ValueError(f"HFGenerateEngine.greedy must be a bool, got {greedy!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = _check_optional_int("batch_size", batch_size)
+        self.max_prompt_length = _check_optional_int("max_prompt_length", max_prompt_length)
+        self.prompt_truncation = prompt_truncation
+        self.greedy = greedy
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if eos_token_ids is not None:
+            stop = tuple(dict.fromkeys(_as_id_list(eos_token_ids)))
+            if not stop:
+                raise ValueError("HFGenerateEngine.eos_token_ids must list at least one id")
+        else:
+            stop = default_stop_token_ids(tokenizer, model)
+        self.stop_token_ids: tuple[int, ...] = stop
+        pad = tokenizer.pad_token_id
+        self.pad_token_id: int = int(pad) if pad is not None else stop[0]
+        self.last_load_copied = 0  # tensors copied by the last load_weights call
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's first parameter (CPU for a model without parameters)."""
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The chat prompt rendered with the generation prompt, before any truncation."""
+        return render_prompt_ids(
+            self.tokenizer,
+            messages,
+            add_generation_prompt=True,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # generate
+
+    def _prepare_prompts(
+        self, messages: Sequence[Sequence[Message]]
+    ) -> tuple[list[tuple[int, list[int]]], int, int]:
+        """(prompt index, ids) of the prompts to sample, and the truncated/skipped counts."""
+        limit = self.max_prompt_length
+        kept: list[tuple[int, list[int]]] = []
+        truncated = skipped = 0
+        for i, chat in enumerate(messages):
+            ids = self.prompt_ids(chat)
+            if not ids:
+                raise ValueError(f"prompt {i} renders to no tokens")
+            if limit is not None and len(ids) > limit:
+                if self.prompt_truncation == "error":
+                    raise ValueError(
+                        f"prompt {i} has {len(ids)} tokens > max_prompt_length {limit}; "
+                        "pass prompt_truncation='left' or 'skip'"
+                    )
+                if self.prompt_truncation == "skip":
+                    skipped += 1
+                    continue
+                ids = ids[-limit:]
+                truncated += 1
+            kept.append((i, ids))
+        return kept, truncated, skipped
+
+    def _generation_config(self, sampling: SamplingParams) -> Any:
+        from transformers import GenerationConfig
+
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "eos_token_id": list(self.stop_token_ids),
+            "pad_token_id": self.pad_token_id,
+            "return_dict_in_generate": True,
+            "use_cache": True,
+        }
+        bos = self.tokenizer.bos_token_id
+        if bos is not None:
+            kwargs["bos_token_id"] = bos
+        if self.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            # top_k=0 switches off HF's global default top_k=50
+            kwargs.update(
+                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
+            )
+        return GenerationConfig(**kwargs)
+
+    def _generate_rows(
+        self, rows: list[list[int]], sampling: SamplingParams, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-pad ``rows``, generate; ``[R, T]`` new tokens and their raw log-probs (CPU)."""
+        from transformers import LogitsProcessorList
+
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, ids in enumerate(rows):
+            input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[j, width - len(ids) :] = 1
+        config = self._generation_config(sampling)
+        recorder = _RawLogprobRecorder()
+        model = self.model
+        saved_config = getattr(model, "generation_config", None)
+        # generate() fills unset fields from model.generation_config: hide it for the call
+        model.generation_config = config
+        try:
+            out = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                logits_processor=LogitsProcessorList([recorder]),
+            )
+        finally:
+            model.generation_config = saved_config
+        sequences = out.sequences
+        logprobs = recorder.finish(sequences, width)
+        return sequences[:, width:].cpu(), logprobs.float().cpu()
+
+    def _to_rollouts(
+        self, prompt_index: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> list[Rollout]:
+        stop = torch.tensor(self.stop_token_ids, dtype=tokens.dtype)
+        is_stop = torch.isin(tokens, stop)
+        has_stop = is_stop.any(dim=1)
+        first = torch.where(has_stop, is_stop.int().argmax(dim=1) + 1, tokens.shape[1])
+        out = []
+        for j, p in enumerate(prompt_index):
+            n = int(first[j])
+            out.append(
+                Rollout(
+                    prompt_index=p,
+                    response_ids=tokens[j, :n].tolist(),
+                    sampler_logprobs=logprobs[j, :n].tolist(),
+                    finished=bool(has_stop[j]),
+                )
+            )
+        return out
+
+    def generate(
+        self, messages: Sequence[list[Message]], sampling: SamplingParams
+    ) -> RolloutBatch:
+        """Sample ``sampling.n`` responses for each chat prompt.
+
+        Rollouts come grouped by prompt, in prompt order (``n`` consecutive rows per kept
+        prompt). Each response has 1 to ``max_new_tokens`` tokens; ``finished`` responses end
+        with their first stop token, the others have exactly ``max_new_tokens`` tokens.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(messages, (str, Mapping)):
+            raise TypeError("messages must be a sequence of chats (lists of message dicts)")
+        chats = [list(chat) for chat in messages]
+        kept, truncated, skipped = self._prepare_prompts(chats)
+        batch = RolloutBatch(
+            messages=chats, num_truncated_prompts=truncated, num_skipped_prompts=skipped
+        )
+        if not kept:
+            return batch
+        chunk = self.batch_size or len(kept)
+        device = self.device
+        with _seeded(sampling.seed, device), _eval_mode(self.model), torch.no_grad():
+            for start in range(0, len(kept), chunk):
+                part = kept[start : start + chunk]
+                index = [i for i, _ in part for _ in range(sampling.n)]
+                rows = [ids for _, ids in part for _ in range(sampling.n)]
+                tokens, logprobs = self._generate_rows(rows, sampling, device)
+                batch.rollouts.extend(self._to_rollouts(index, tokens, logprobs))
+        return batch
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check these weights against the engine's model and copy in those that differ.
+
+        Names are the model's ``named_parameters()`` / ``named_buffers()`` names (tied weights
+        under each of their names); a subset is fine. Every name and shape is checked before
+        anything is copied (``ValueError`` listing unknown names / shape mismatches). A tensor
+        that *is* the model's own parameter (same storage), as when training updates the very
+        module the engine samples from, is not copied: for the live student this call is a
+        validated no-op. Other tensors (e.g. weights of a separate trained copy) are copied in
+        place (converted to the parameter's dtype/device). ``last_load_copied`` tells how many
+        were copied.
+        """
+        own: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        own.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        items = list(named_tensors)
+        unknown = [name for name, _ in items if name not in own]
+        if unknown:
+            raise ValueError(
+                f"load_weights got {len(unknown)} names that are not parameters or buffers of "
+                f"{type(self.model).__name__}: {unknown[:5]}"
+            )
+        bad = [
+            f"{name}: {tuple(t.shape)} vs the model's {tuple(own[name].shape)}"
+            for name, t in items
+            if tuple(t.shape) != tuple(own[name].shape)
+        ]
+        if bad:
+            raise ValueError(f"load_weights got tensors of the wrong shape: {bad[:5]}")
+        copied = 0
+        with torch.no_grad():
+            for name, tensor in items:
+                target = own[name]
+                same = (
+                    tensor.device == target.device
+                    and tensor.dtype == target.dtype
+                    and tensor.data_ptr() == target.data_ptr()
+                    and tensor.stride() == target.stride()
+                )
+                if not same:
+                    target.copy_(tensor)
+                    copied += 1
+        self.last_load_copied = copied

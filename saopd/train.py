@@ -1,0 +1,245 @@
+"""``saopd-train``: compose the Hydra config, build everything, train with Lightning.
+
+    saopd-train                                   # the default CPU experiment (smollm2_gsm8k)
+    saopd-train experiment=tiny                   # random tiny models, < 1 minute
+    saopd-train filter=none                       # vanilla OPD on the same setup
+    saopd-train filter.beta_max=0.018 seed=1      # SA-OPD with the adaptive FLMR bound
+    saopd-train resume=auto                       # continue the latest run of the experiment
+    saopd-train -m filter=sa_opd,none seed=0,1    # a sweep (Hydra multirun)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig
+
+from saopd.config import TrainConfig, register_schema, to_train_config
+
+log = logging.getLogger("saopd.train")
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+RUN_RECORD = "saopd_run.json"
+
+
+class UserError(Exception):
+    """A problem with the user's configuration or inputs: reported without a traceback."""
+
+
+def _build_filter_and_objective(conf: TrainConfig) -> tuple[Any, Any]:
+    from saopd.filters import build_filter
+    from saopd.objectives import build_objective
+
+    out = []
+    for group, build in (("filter", build_filter), ("objective", build_objective)):
+        params = dict(getattr(conf, group))
+        name = params.pop("name")
+        try:
+            out.append(build(name, **params))
+        except ValueError as err:
+            raise UserError(f"config group '{group}': {err}") from None
+    return out[0], out[1]
+
+
+def _load_prompts(conf: TrainConfig, tokenizer: Any) -> tuple[list[Any], dict[str, int]]:
+    from saopd.data.prompts import filter_long_prompts, gsm8k_records
+
+    path = Path(conf.data.path)
+    if not path.is_file():
+        raise UserError(f"data.path: no such file {path}")
+    records, report = gsm8k_records(path, system_prompt=conf.data.system_prompt,
+                                    instruction=conf.data.instruction, limit=conf.data.limit,
+                                    skip_bad=conf.data.skip_bad)
+    counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
+    max_len = conf.data.max_prompt_length
+    if max_len is not None and conf.data.long_prompts != "truncate":
+        records, n_long = filter_long_prompts(records, tokenizer, max_len,
+                                              mode=conf.data.long_prompts)
+        counts["prompts_skipped_long"] = n_long
+    if not records:
+        raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
+    return records, counts
+
+
+def _find_resume(conf: TrainConfig) -> Path | None:
+    if conf.resume in (None, "", "none"):
+        return None
+    if conf.resume == "auto":
+        runs = Path(conf.paths.root) / "outputs" / conf.experiment_name
+        found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            log.info("resume=auto: no checkpoint under %s, starting fresh", runs)
+            return None
+        return found[-1]
+    path = Path(conf.resume)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise UserError(f"resume: no checkpoint at {path}")
+    return path
+
+
+# Intentional here: the frozen teacher stays in eval mode, and checkpoints hold the weights after
+# each step's optimizer update (manual optimization), which is what resuming needs.
+for _pattern in (r".*module\(s\) in eval mode.*", r".*pre-optimization state was saved.*"):
+    warnings.filterwarnings("ignore", message=_pattern)
+
+
+def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
+    """Run one training job; returns a summary (paths, MLflow run, final metrics).
+
+    ``extra_callbacks`` are added to the Trainer's (profilers, custom logging, fault injection).
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from saopd.lightning.callbacks import RolloutCallback, TokenViewCallback
+    from saopd.lightning.data import PromptDataModule
+    from saopd.lightning.module import OPDModule
+    from saopd.models import check_same_vocabulary
+    from saopd.models.factory import build_model
+    from saopd.rollout.base import SamplingParams
+    from saopd.rollout.hf import HFGenerateEngine
+
+    try:
+        conf = to_train_config(cfg)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    L.seed_everything(conf.seed, workers=True, verbose=False)
+    token_filter, objective = _build_filter_and_objective(conf)
+    ckpt = _find_resume(conf)
+    out_dir = ckpt.parent.parent if ckpt is not None else Path(conf.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    try:
+        student, tokenizer = build_model(conf.student)
+        teacher, teacher_tok = build_model(conf.teacher)
+        vocab = check_same_vocabulary(tokenizer, teacher_tok, student, teacher)
+    except (ValueError, OSError) as err:
+        raise UserError(f"models: {err}") from None
+    log.info("models ready in %.1f s", time.perf_counter() - started)
+    reference = None
+    if "lp_ref" in objective.needs:
+        reference = copy.deepcopy(student)
+    records, data_counts = _load_prompts(conf, tokenizer)
+
+    sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
+                              top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
+                              seed=conf.seed)
+    engine = HFGenerateEngine(
+        student, tokenizer, batch_size=conf.rollout.batch_size, greedy=conf.rollout.greedy,
+        max_prompt_length=conf.data.max_prompt_length,
+        prompt_truncation="left" if conf.data.long_prompts == "truncate" else "error",
+    )
+    module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
+                       token_filter=token_filter, objective=objective, reference=reference,
+                       optim=conf.optim, step=conf.step, total_steps=conf.steps,
+                       vocab_size=vocab.common_logits)
+    data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
+                            num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
+
+    loggers, run_info = _make_logger(conf, out_dir, resuming=ckpt is not None)
+    callbacks: list[L.Callback] = [
+        RolloutCallback(engine, sampling),
+        ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
+                        every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
+                        save_last=True, save_top_k=-1, auto_insert_metric_name=False),
+    ]
+    if conf.trainer.view_every_n_steps:
+        callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
+    callbacks.extend(extra_callbacks or [])
+    trainer = L.Trainer(
+        accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
+        num_nodes=conf.trainer.num_nodes, strategy=conf.trainer.strategy,
+        precision=conf.trainer.precision, max_steps=conf.steps, logger=loggers,
+        callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0,
+        limit_val_batches=0, enable_progress_bar=conf.trainer.progress_bar,
+        enable_model_summary=False, default_root_dir=str(out_dir),
+    )
+    if loggers and ckpt is None:
+        from saopd.tracking import log_resolved_config
+
+        log_resolved_config(loggers[0], cfg)
+        for name, value in data_counts.items():
+            loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
+    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    summary = {"output_dir": str(out_dir), "steps": trainer.global_step, **run_info,
+               "last_checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
+               "metrics": metrics, "data": data_counts,
+               "seconds": round(time.perf_counter() - started, 1)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
+                 ) -> tuple[list[Any], dict[str, Any]]:
+    if conf.logger.kind == "none":
+        return [], {}
+    from saopd.tracking import default_tracking_uri, make_mlflow_logger
+
+    record = out_dir / RUN_RECORD
+    previous = json.loads(record.read_text()) if resuming and record.is_file() else {}
+    uri = conf.logger.tracking_uri or previous.get("tracking_uri") or default_tracking_uri(
+        conf.paths.root)
+    name = conf.logger.experiment_name or conf.experiment_name
+    run_name = conf.logger.run_name or (
+        f"{conf.experiment_name}-{conf.filter['name']}-{conf.objective['name']}-s{conf.seed}")
+    tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
+            "objective": conf.objective["name"], "seed": str(conf.seed), **conf.logger.tags}
+    logger = make_mlflow_logger(experiment_name=name, tracking_uri=uri, run_name=run_name,
+                                run_id=previous.get("run_id"), tags=tags,
+                                root=Path(conf.paths.root))
+    info = {"tracking_uri": uri, "mlflow_experiment": name, "run_id": logger.run_id}
+    record.write_text(json.dumps(info, indent=2) + "\n")
+    return [logger], info
+
+
+register_schema()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point (``saopd-train``)."""
+    try:
+        summary = train(cfg)
+    except UserError as err:
+        log.error("%s", err)
+        print(f"saopd-train: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(_format_summary(summary, cfg))
+
+
+def _format_summary(summary: dict[str, Any], cfg: DictConfig) -> str:
+    m = summary["metrics"]
+    lines = [
+        f"saopd-train: {summary['steps']} steps in {summary['seconds']} s",
+        f"  outputs:     {summary['output_dir']}",
+        f"  checkpoint:  {summary['last_checkpoint']}",
+    ]
+    if "run_id" in summary:
+        lines += [
+            f"  MLflow:      {summary['tracking_uri']} (experiment "
+            f"'{summary['mlflow_experiment']}', run {summary['run_id']})",
+            f"  browse:      mlflow ui --backend-store-uri {summary['tracking_uri']} "
+            "--host 127.0.0.1",
+        ]
+    shown = ("train/loss", "train/flmr", "train/filtered_ratio", "train/kl",
+             "train/response_length", "train/step_time")
+    lines.append("  last step:   " + ", ".join(
+        f"{k.split('/')[-1]}={m[k]:.4g}" for k in shown if k in m))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,153 @@
+"""From models and contexts to :class:`~saopd.signals.TokenSignals` (Algorithm 1, "scoring").
+
+One training step scores the same response tokens up to five times:
+
+====================  =========  ===============================================
+pass                  gradient   when
+====================  =========  ===============================================
+teacher, full         no         always (lpT; H_T for FiRe; its head for the KL)
+teacher, residual     no         filters that need the grounding gap
+student, residual     no         filters that need the grounding gap
+reference, full       no         ExOPD (lpRef)
+student, full         yes        always (lpS; H_S, exact KL when asked)
+====================  =========  ===============================================
+
+Each pass runs the model's backbone once over its context, keeps the hidden states only at the
+response positions (``gather_index``), and hands them with the LM-head weight to
+:func:`saopd.signals.score_tokens`, which computes log-probs/entropies/KL in chunks: no
+[B, T, V] logits are ever built. Models whose head is not a plain linear layer (logit soft-capping
+or scaling) fall back to their full logits, gathered at the response positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from saopd.data.contexts import ContextBatch, PairedContextBatch
+from saopd.signals import LMHead, Logits, LogitSource, TokenSignals, score_tokens
+
+if TYPE_CHECKING:
+    from torch import nn
+
+_HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+@dataclass(frozen=True)
+class ScoringNeeds:
+    """Which optional signals a step must compute (from the filter's and objective's needs)."""
+
+    residual: bool = False
+    student_entropy: bool = False
+    teacher_entropy: bool = False
+    kl: bool = False
+    reference: bool = False
+    sampler: bool = False
+
+    @classmethod
+    def from_fields(cls, *field_lists: tuple[str, ...]) -> ScoringNeeds:
+        names = {name for fields in field_lists for name in fields}
+        known = {"lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher", "kl",
+                 "lp_ref", "lp_sampler"}
+        unknown = names - known
+        if unknown:
+            raise ValueError(f"unknown TokenSignals fields requested: {sorted(unknown)}")
+        return cls(
+            residual=bool({"lp_student_res", "lp_teacher_res"} & names),
+            student_entropy="entropy_student" in names,
+            teacher_entropy="entropy_teacher" in names,
+            kl="kl" in names,
+            reference="lp_ref" in names,
+            sampler="lp_sampler" in names,
+        )
+
+
+def _plain_head(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return not any(getattr(config, name, None) not in (None, 1.0) for name in _HEAD_TRANSFORMS)
+
+
+def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | None = None
+                    ) -> LogitSource:
+    """The logits of ``model`` at the positions predicting each response token.
+
+    Returns an :class:`LMHead` over hidden states ``[B, R, H]`` (or gathered :class:`Logits`
+    ``[B, R, V]`` for heads with extra transforms). ``vocab_size`` keeps only the first V rows of
+    the head, for teacher/student pairs whose heads are padded to different sizes.
+    """
+    index = ctx.gather_index  # [B, R]
+    if _plain_head(model):
+        backbone = model.base_model if hasattr(model, "base_model") else model.model
+        hidden = backbone(**ctx.model_inputs()).last_hidden_state  # [B, T, H]
+        hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
+        head = model.get_output_embeddings()
+        weight, bias = head.weight, getattr(head, "bias", None)
+        if vocab_size is not None:
+            weight = weight[:vocab_size]
+            bias = None if bias is None else bias[:vocab_size]
+        return LMHead(hidden, weight, bias)
+    logits = model(**ctx.model_inputs()).logits  # [B, T, V]
+    logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    return Logits(logits if vocab_size is None else logits[..., :vocab_size])
+
+
+@dataclass
+class FrozenScores:
+    """Everything one step needs from the models that carry no gradient ([B, R] each)."""
+
+    lp_teacher: torch.Tensor
+    entropy_teacher: torch.Tensor | None
+    lp_teacher_res: torch.Tensor | None
+    lp_student_res: torch.Tensor | None
+    lp_ref: torch.Tensor | None
+    teacher_head: LogitSource | None  # kept only for the exact KL
+
+
+@torch.no_grad()
+def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.Module,
+                 reference: nn.Module | None, needs: ScoringNeeds, vocab_size: int | None = None,
+                 chunk_size: int | None = None) -> FrozenScores:
+    """Teacher full (+ residual), student residual and reference passes, all without grad."""
+    targets = batch.response_ids
+    t_src = response_source(teacher, batch.full, vocab_size=vocab_size)
+    t = score_tokens(t_src, targets, entropy=needs.teacher_entropy, chunk_size=chunk_size)
+    lp_t_res = lp_s_res = lp_ref = None
+    if needs.residual:
+        lp_t_res = score_tokens(response_source(teacher, batch.residual, vocab_size=vocab_size),
+                                targets, chunk_size=chunk_size).logprobs
+        lp_s_res = score_tokens(response_source(student, batch.residual, vocab_size=vocab_size),
+                                targets, chunk_size=chunk_size).logprobs
+    if needs.reference:
+        if reference is None:
+            raise ValueError("the objective needs lp_ref but no reference model was built")
+        lp_ref = score_tokens(response_source(reference, batch.full, vocab_size=vocab_size),
+                              targets, chunk_size=chunk_size).logprobs
+    return FrozenScores(
+        lp_teacher=t.logprobs, entropy_teacher=t.entropy, lp_teacher_res=lp_t_res,
+        lp_student_res=lp_s_res, lp_ref=lp_ref, teacher_head=t_src if needs.kl else None,
+    )
+
+
+def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: nn.Module,
+                  needs: ScoringNeeds, lp_sampler: torch.Tensor | None = None,
+                  vocab_size: int | None = None, chunk_size: int | None = None) -> TokenSignals:
+    """The student's full-context pass (with gradient when enabled) -> TokenSignals [B, R]."""
+    s_src = response_source(student, batch.full, vocab_size=vocab_size)
+    s = score_tokens(s_src, batch.response_ids, teacher=frozen.teacher_head,
+                     entropy=needs.student_entropy, kl=needs.kl, chunk_size=chunk_size)
+    if needs.sampler and lp_sampler is None:
+        raise ValueError("the objective needs sampler log-probs but the rollout engine gave none")
+    return TokenSignals(
+        lp_student=s.logprobs,
+        lp_teacher=frozen.lp_teacher,
+        valid=batch.response_mask,
+        lp_student_res=frozen.lp_student_res,
+        lp_teacher_res=frozen.lp_teacher_res,
+        entropy_student=s.entropy,
+        entropy_teacher=frozen.entropy_teacher,
+        lp_sampler=lp_sampler if needs.sampler else None,
+        lp_ref=frozen.lp_ref,
+        kl=s.kl,
+    )

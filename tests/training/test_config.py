@@ -1,0 +1,88 @@
+"""The Hydra config tree: every experiment composes and validates; registries match the YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import REPO, compose_train
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError
+
+from saopd.config import to_train_config
+from saopd.filters import FILTERS, build_filter
+from saopd.objectives import OBJECTIVES, build_objective
+from saopd.train import UserError, train
+
+CONF = REPO / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_registries_and_config_groups_are_in_step() -> None:
+    assert sorted(p.stem for p in (CONF / "filter").glob("*.yaml")) == FILTERS.names()
+    assert sorted(p.stem for p in (CONF / "objective").glob("*.yaml")) == OBJECTIVES.names()
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment: str, tmp_path: Path) -> None:
+    conf = to_train_config(compose_train(tmp_path, f"experiment={experiment}"))
+    assert conf.experiment_name == experiment
+    params = dict(conf.filter)
+    build_filter(params.pop("name"), **params)  # hyperparameters are valid for the registry
+    params = dict(conf.objective)
+    build_objective(params.pop("name"), **params)
+
+
+def test_paper_math_setup_has_the_papers_hyperparameters(tmp_path: Path) -> None:
+    conf = to_train_config(compose_train(tmp_path, "experiment=math_qwen3_4b_to_1p7b"))
+    assert (conf.prompts_per_step, conf.steps, conf.optim.lr) == (128, 160, 1e-6)
+    assert (conf.filter["p1"], conf.filter["p2"], conf.filter["beta_max"]) == (0.2, 0.3, None)
+    assert (conf.data.max_prompt_length, conf.rollout.max_new_tokens) == (2048, 8192)
+    assert conf.teacher.name_or_path == "Qwen/Qwen3-4B-Instruct-2507"
+    assert conf.student.name_or_path == "Qwen/Qwen3-1.7B"
+
+
+def test_default_is_the_smollm2_cpu_experiment(tmp_path: Path) -> None:
+    conf = to_train_config(compose_train(tmp_path))
+    assert conf.experiment_name == "smollm2_gsm8k"
+    assert conf.student.prune_every == 3 and conf.filter["name"] == "sa_opd"
+    assert conf.trainer.accelerator == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("optim.lr=-1", r"optim.lr must be > 0, got -1"),
+        ("rollout.top_p=1.5", r"rollout.top_p must be in \[0, 1\], got 1.5"),
+        ("step.aggregation=mean", r"step.aggregation must be one of"),
+        ("steps=0", r"steps must be an int >= 1, got 0"),
+        ("data.long_prompts=drop", r"data.long_prompts must be one of \['skip', 'error'"),
+    ],
+)
+def test_bad_values_name_the_key(override: str, match: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=match):
+        to_train_config(compose_train(tmp_path, "experiment=tiny", override))
+
+
+def test_type_errors_and_unknown_keys_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigCompositionException, match="override steps=abc"):
+        compose_train(tmp_path, "experiment=tiny", "steps=abc")
+    with pytest.raises((ConfigCompositionException, ConfigKeyError), match="no_such_key"):
+        compose_train(tmp_path, "experiment=tiny", "optim.no_such_key=1")
+    with pytest.raises(ConfigCompositionException, match="sa-opd"):
+        compose_train(tmp_path, "experiment=tiny", "filter=sa-opd")
+
+
+def test_bad_filter_value_is_a_user_error(tmp_path: Path) -> None:
+    cfg = compose_train(tmp_path, "experiment=tiny", "filter.p1=2.0", mlflow=False)
+    expected = r"config group 'filter': .*p1 must be in \[0, 1\], got 2.0"
+    with pytest.raises(UserError, match=expected):
+        train(cfg)
+
+
+def test_missing_model_path_is_a_user_error(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose_train(tmp_path, "experiment=tiny", "student.tiny=null",
+                        f"student.name_or_path={tmp_path / 'no_such_model'}", mlflow=False)
+    with pytest.raises(UserError, match="no_such_model"):
+        train(cfg)

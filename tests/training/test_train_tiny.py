@@ -1,0 +1,164 @@
+"""End to end on tiny random models: training, MLflow, checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import mlflow
+import pytest
+import torch
+from conftest import REPO
+
+import saopd.training.scoring as scoring
+from saopd.train import train
+
+REQUIRED_METRICS = ("train/loss", "train/flmr", "train/filtered_ratio", "train/alpha",
+                    "train/kl", "train/grounding_gap_filtered", "train/grounding_gap_kept",
+                    "train/response_length", "train/step_time")
+
+
+def student_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("student.")}
+
+
+def test_tiny_run_logs_checkpoints_and_views(make_cfg, tmp_path: Path) -> None:
+    summary = train(make_cfg("experiment=tiny", "filter.p1=0.5", "filter.p2=0.5"))
+    assert summary["steps"] == 3
+    out = Path(summary["output_dir"])
+
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    run = client.get_run(summary["run_id"])
+    for key in REQUIRED_METRICS:
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        if key == "train/grounding_gap_filtered":  # only steps that filtered something
+            assert steps and steps == sorted(set(steps))
+        else:
+            assert steps == [0, 1, 2], key  # MLflow step = 0-based optimizer step
+    assert run.data.params["filter.name"] == "sa_opd"
+    assert run.data.params["filter.p1"] == "0.5"
+    assert run.data.tags["filter"] == "sa_opd"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config", "token_view"} <= artifacts
+    views = client.list_artifacts(run.info.run_id, "token_view")
+    assert len(views) == 3
+    html = (out / "token_view" / "step_000002.html").read_text()
+    assert "tok flt" in html or summary["metrics"]["train/filtered_ratio"] == 0
+
+    state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu",
+                       weights_only=False)["state_dict"]
+    assert not any(k.startswith("teacher.") for k in state)  # frozen teacher not saved
+    assert any(k.startswith("student.") for k in state)
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary["metrics"].values())
+
+
+def test_vanilla_opd_runs_no_residual_pass(make_cfg, monkeypatch) -> None:
+    calls: list[str] = []
+    original = scoring.response_source
+
+    def counting(model, ctx, **kw):
+        calls.append("residual" if ctx is current["batch"].residual else "full")
+        return original(model, ctx, **kw)
+
+    current: dict = {}
+    original_frozen = scoring.score_frozen
+
+    def remember(batch, **kw):
+        current["batch"] = batch
+        return original_frozen(batch, **kw)
+
+    monkeypatch.setattr(scoring, "response_source", counting)
+    monkeypatch.setattr(scoring, "score_frozen", remember)
+    import saopd.lightning.module as module
+
+    monkeypatch.setattr(module, "score_frozen", remember)
+    train(make_cfg("experiment=tiny", "steps=1", "filter=none", mlflow=False))
+    assert calls.count("residual") == 0 and calls.count("full") == 2  # teacher + student
+    calls.clear()
+    train(make_cfg("experiment=tiny", "steps=1", "filter=sa_opd", mlflow=False))
+    assert calls.count("residual") == 2 and calls.count("full") == 2
+
+
+class GradCapture(L.Callback):
+    """Keeps the student's gradients as the optimizer is about to step."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.grads = {n: p.grad.detach().clone() for n, p in pl_module.student.named_parameters()
+                      if p.grad is not None}
+
+
+def test_micro_batches_give_the_full_batch_gradient(make_cfg, tmp_path: Path) -> None:
+    # 3 prompts x n=2 = 6 rollouts: one pass, or micro-batches of 4 + 2 normalised by the
+    # step's global token count; the filter sees the whole batch in both
+    grads = []
+    losses = []
+    for tmp, extra in ((tmp_path / "a", []), (tmp_path / "b", ["step.micro_batch_size=4"])):
+        capture = GradCapture()
+        out = train(make_cfg("experiment=tiny", "steps=1", "prompts_per_step=3", *extra,
+                             mlflow=False, tmp=tmp), extra_callbacks=[capture])
+        grads.append(capture.grads)
+        losses.append(out["metrics"]["train/loss"])
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-8)
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import lightning as L
+    sys.path.insert(0, {tests!r})
+    from conftest import compose_train
+    from pathlib import Path
+    from saopd.train import train
+
+    class Kill(L.Callback):
+        # a hard kill after step 3 has been logged but before its checkpoint is written
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                os._exit(137)
+
+    cfg = compose_train(Path({tmp!r}), *{overrides!r})
+    train(cfg, extra_callbacks=[Kill()])
+""")
+
+
+def test_hard_kill_and_resume_equals_a_straight_run(make_cfg, tmp_path: Path) -> None:
+    overrides = ["experiment=tiny", "steps=6"]
+    straight = train(make_cfg(*overrides, tmp=tmp_path / "straight"))
+
+    killed = tmp_path / "killed"
+    script = KILL_SCRIPT.format(tests=str(REPO / "tests" / "training"), tmp=str(killed),
+                                overrides=overrides)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    run_dir = killed / "run"
+    record = json.loads((run_dir / "saopd_run.json").read_text())
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+
+    resumed = train(make_cfg(*overrides, f"resume={run_dir}", tmp=killed))
+    assert resumed["run_id"] == record["run_id"] and resumed["steps"] == 6
+
+    a = student_weights(Path(straight["last_checkpoint"]))
+    b = student_weights(Path(resumed["last_checkpoint"]))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6)
+    client = mlflow.MlflowClient(resumed["tracking_uri"])
+    steps = [m.step for m in client.get_metric_history(resumed["run_id"], "train/loss")]
+    assert steps == [0, 1, 2, 3, 4, 5]  # no step logged twice
+    ref = {m.step: m.value for m in mlflow.MlflowClient(straight["tracking_uri"])
+           .get_metric_history(straight["run_id"], "train/loss")}
+    got = {m.step: m.value for m in client.get_metric_history(resumed["run_id"], "train/loss")}
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-6)
