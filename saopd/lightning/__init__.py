@@ -1,0 +1,1 @@
+"""Lightning glue: the OPD LightningModule, its callbacks, metrics and prompt data."""

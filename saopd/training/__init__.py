@@ -1,0 +1,1 @@
+"""Training-time adapters between models and the tensor layer (scoring)."""
