@@ -219,18 +219,22 @@ def _build(
     chat_template_kwargs: Mapping[str, Any] | None,
     row: int | None,
     prefix_cache: dict[Any, list[int]] | None = None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> Contexts:
     _check_choice("residual", residual, RESIDUAL_MODES)
     where = f" of row {row}" if row is not None else ""
     if not messages:
         raise ValueError(f"messages{where} is empty")
     resp = _as_id_list(response_ids, row)
-    prompt = render_prompt_ids(
-        tokenizer,
-        messages,
-        add_generation_prompt=add_generation_prompt,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    if prompt_ids is not None:  # the exact prompt the response was sampled from
+        prompt = list(prompt_ids)
+    else:
+        prompt = render_prompt_ids(
+            tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
     if residual == "response_only":
         prefix = [residual_start_token_id(tokenizer)]
     else:
@@ -507,13 +511,16 @@ def collate_contexts(
     padding_side: str = "right",
     pad_to_multiple_of: int | None = None,
     pad_token_id: int | None = None,
+    prompt_ids: Sequence[Sequence[int] | None] | None = None,
 ) -> PairedContextBatch:
     """Build and pad full and residual contexts for ``B`` rollouts, ready for forward passes.
 
     ``messages[b]`` is row b's chat (ending with the user turn), ``responses[b]`` its response ids
     (list or 1-D tensor, length ``R_b >= 1``; pass only the valid tokens, not padding). The pad id
-    defaults to the tokenizer's pad, else its EOS. See :func:`build_contexts` and
-    :func:`pad_contexts` for the options. Usage::
+    defaults to the tokenizer's pad, else its EOS. ``prompt_ids[b]``, when given, is the full
+    context's prompt as the rollout engine saw it (e.g. left-truncated); otherwise the chat
+    template is rendered. The residual prefix is always rendered from the messages. See
+    :func:`build_contexts` and :func:`pad_contexts` for the options. Usage::
 
         batch = collate_contexts(tok, msgs, resps)
         logits = model(**batch.full.model_inputs()).logits          # [B, T_full, V]
@@ -524,6 +531,9 @@ def collate_contexts(
     _check_choice("truncation", truncation, TRUNCATION_MODES)
     if len(messages) != len(responses):
         raise ValueError(f"messages has {len(messages)} rows but responses has {len(responses)}")
+    if prompt_ids is not None and len(prompt_ids) != len(responses):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but responses has "
+                         f"{len(responses)}")
     cache: dict[Any, list[int]] = {}
     contexts = [
         _build(
@@ -537,6 +547,7 @@ def collate_contexts(
             chat_template_kwargs=chat_template_kwargs,
             row=i,
             prefix_cache=cache,
+            prompt_ids=None if prompt_ids is None else prompt_ids[i],
         )
         for i, (m, r) in enumerate(zip(messages, responses, strict=True))
     ]

@@ -250,6 +250,7 @@ class OPDModule(L.LightningModule):
             self.tokenizer, rollouts.row_messages(), [r.response_ids for r in rollouts.rollouts],
             residual=cfg.residual, keep_system=cfg.keep_system, neutral_prompt=cfg.neutral_prompt,
             max_length=cfg.max_length, truncation=cfg.truncation,
+            prompt_ids=[r.prompt_ids for r in rollouts.rollouts],
         ).to(self.device)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -323,7 +324,8 @@ class OPDModule(L.LightningModule):
             "kl": m.step("kl", objective_metrics["kl_sampled"]),
             "response_length": m.step("response_length", lengths.mean(), len(lengths)),
             "tokens": m.step("tokens", float(signals.num_valid)),
-            "truncated_prompts": m.step("truncated_prompts", float(ctx.num_truncated)),
+            "truncated_prompts": m.step(
+                "truncated_prompts", float(ctx.num_truncated + rollouts.num_truncated_prompts)),
             "unfinished_responses": m.step(
                 "unfinished_responses",
                 sum(not r.finished for r in rollouts.rollouts) / len(rollouts.rollouts)),

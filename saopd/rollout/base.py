@@ -63,12 +63,16 @@ class Rollout:
             distribution (log softmax of the raw logits, vLLM's ``raw`` mode), aligned with
             ``response_ids``; None when the engine does not report them.
         finished: True if sampling stopped at an EOS token, False if cut at max_new_tokens.
+        prompt_ids: the prompt token ids the engine conditioned on (after any truncation), so
+            that scoring uses exactly the context the response was sampled from; None when
+            the engine does not report them (contexts then re-render the chat template).
     """
 
     prompt_index: int
     response_ids: list[int]
     sampler_logprobs: list[float] | None = None
     finished: bool = True
+    prompt_ids: list[int] | None = None
 
 
 @dataclass

@@ -336,7 +336,8 @@ class HFGenerateEngine:
         return sequences[:, width:].cpu(), logprobs.float().cpu()
 
     def _to_rollouts(
-        self, prompt_index: Sequence[int], tokens: torch.Tensor, logprobs: torch.Tensor
+        self, prompt_index: Sequence[int], prompts: Sequence[list[int]], tokens: torch.Tensor,
+        logprobs: torch.Tensor,
     ) -> list[Rollout]:
         stop = torch.tensor(self.stop_token_ids, dtype=tokens.dtype)
         is_stop = torch.isin(tokens, stop)
@@ -351,6 +352,7 @@ class HFGenerateEngine:
                     response_ids=tokens[j, :n].tolist(),
                     sampler_logprobs=logprobs[j, :n].tolist(),
                     finished=bool(has_stop[j]),
+                    prompt_ids=list(prompts[j]),
                 )
             )
         return out
@@ -383,7 +385,7 @@ class HFGenerateEngine:
                 index = [i for i, _ in part for _ in range(sampling.n)]
                 rows = [ids for _, ids in part for _ in range(sampling.n)]
                 tokens, logprobs = self._generate_rows(rows, sampling, device)
-                batch.rollouts.extend(self._to_rollouts(index, tokens, logprobs))
+                batch.rollouts.extend(self._to_rollouts(index, rows, tokens, logprobs))
         return batch
 
     # ------------------------------------------------------------------------------------------

@@ -162,3 +162,26 @@ def test_hard_kill_and_resume_equals_a_straight_run(make_cfg, tmp_path: Path) ->
     got = {m.step: m.value for m in client.get_metric_history(resumed["run_id"], "train/loss")}
     for step in ref:
         assert got[step] == pytest.approx(ref[step], abs=1e-6)
+
+
+def test_left_truncated_prompts_are_scored_as_sampled(make_cfg) -> None:
+    # prompts longer than 40 tokens are cut from the left by the engine and counted; scoring
+    # uses the very ids the engine sampled from (Rollout.prompt_ids)
+    seen: list = []
+    import saopd.lightning.module as module
+
+    original = module.collate_contexts
+
+    def spy(tokenizer, messages, responses, **kw):
+        seen.append(kw["prompt_ids"])
+        return original(tokenizer, messages, responses, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(module, "collate_contexts", spy)
+    try:
+        out = train(make_cfg("experiment=tiny", "steps=1", "data.long_prompts=truncate",
+                             "data.max_prompt_length=40", mlflow=False))
+    finally:
+        mp.undo()
+    assert out["metrics"]["train/truncated_prompts"] > 0
+    assert seen and all(ids is not None and len(ids) <= 40 for ids in seen[0])
