@@ -107,6 +107,8 @@ class TrainerConfig:
         accelerator, devices, num_nodes, strategy, precision: as in Lightning
             (``precision``: ``32-true`` on CPU, ``bf16-mixed`` on GPU).
         checkpoint_every_n_steps: save a checkpoint (and ``last.ckpt``) this often.
+        keep_all_checkpoints: keep every periodic checkpoint (default: only the latest one and
+            ``last.ckpt``; a student with AdamW state is ~3x its weights).
         view_every_n_steps: write the filtered-token HTML view this often (0 = never).
         progress_bar: show Lightning's progress bar.
     """
@@ -117,6 +119,7 @@ class TrainerConfig:
     strategy: str = "auto"
     precision: str = "32-true"
     checkpoint_every_n_steps: int = 10
+    keep_all_checkpoints: bool = False
     view_every_n_steps: int = 10
     progress_bar: bool = True
 

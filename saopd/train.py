@@ -151,7 +151,8 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         RolloutCallback(engine, sampling),
         ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
                         every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
-                        save_last=True, save_top_k=-1, auto_insert_metric_name=False),
+                        save_last=True, save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
+                        auto_insert_metric_name=False),
     ]
     if conf.trainer.view_every_n_steps:
         callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))

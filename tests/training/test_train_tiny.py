@@ -51,6 +51,8 @@ def test_tiny_run_logs_checkpoints_and_views(make_cfg, tmp_path: Path) -> None:
     html = (out / "token_view" / "step_000002.html").read_text()
     assert "tok flt" in html or summary["metrics"]["train/filtered_ratio"] == 0
 
+    kept = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))
+    assert kept == ["last.ckpt", "step_000003.ckpt"]  # only the latest periodic checkpoint
     state = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu",
                        weights_only=False)["state_dict"]
     assert not any(k.startswith("teacher.") for k in state)  # frozen teacher not saved
