@@ -187,3 +187,19 @@ def test_left_truncated_prompts_are_scored_as_sampled(make_cfg) -> None:
         mp.undo()
     assert out["metrics"]["train/truncated_prompts"] > 0
     assert seen and all(ids is not None and len(ids) <= 40 for ids in seen[0])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[f"filter={name}"] for name in ("none", "random", "divergence_only", "ig_only",
+                                     "proxy_replacement", "tip", "fire")]
+    + [["objective=full_kl"], ["objective=exopd"], ["objective=exopd", "filter=tip"],
+       ["filter.extreme=two_sided", "filter.beta_min=0.01", "filter.beta_max=0.02"]],
+    ids=lambda o: "+".join(o),
+)
+def test_every_filter_and_objective_trains(make_cfg, overrides: list[str]) -> None:
+    out = train(make_cfg("experiment=tiny", "steps=1", *overrides, mlflow=False))
+    metrics = out["metrics"]
+    assert out["steps"] == 1
+    assert all(v == v and abs(v) != float("inf") for v in metrics.values())  # no NaN / inf
+    assert 0.0 <= metrics["train/filtered_ratio"] <= 1.0
