@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from saopd._checks import check_choice, check_fraction, check_positive
+from saopd.data.prompts import GSM8K_INSTRUCTION
 from saopd.lightning.module import OptimConfig, StepConfig
 from saopd.models.factory import ModelConfig
 
@@ -84,9 +85,7 @@ class DataConfig:
     path: str = MISSING
     limit: int | None = None
     system_prompt: str | None = None
-    instruction: str | None = (
-        "Let's think step by step and output the final answer after \"####\"."
-    )
+    instruction: str | None = GSM8K_INSTRUCTION
     skip_bad: bool = False
     max_prompt_length: int | None = None
     long_prompts: str = "skip"
