@@ -87,9 +87,11 @@ def _find_resume(conf: TrainConfig) -> Path | None:
     return path
 
 
-# Intentional here: the frozen teacher stays in eval mode, and checkpoints hold the weights after
-# each step's optimizer update (manual optimization), which is what resuming needs.
-for _pattern in (r".*module\(s\) in eval mode.*", r".*pre-optimization state was saved.*"):
+# Intentional here: the frozen teacher stays in eval mode; checkpoints hold the weights after
+# each step's optimizer update (manual optimization), which is what resuming needs; and the prompt
+# loader needs no saved state to resume mid-epoch (a step's batch is a function of the step).
+for _pattern in (r".*module\(s\) in eval mode.*", r".*pre-optimization state was saved.*",
+                 r".*your dataloader is not resumable.*"):
     warnings.filterwarnings("ignore", message=_pattern)
 
 
