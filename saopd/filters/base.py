@@ -66,6 +66,8 @@ def scatter_valid(compact: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
     Invalid positions get False / 0. Inverse of ``x[valid]``.
     """
+    if compact.numel() == valid.numel():  # every token valid: a reshape is the inverse
+        return compact.reshape(valid.shape).clone()
     out = torch.zeros(valid.shape, dtype=compact.dtype, device=compact.device)
     return out.masked_scatter_(valid, compact)
 

@@ -48,6 +48,14 @@ def alpha_to_fill(p: float) -> float:
     return alpha if Fraction(alpha) >= exact else math.nextafter(alpha, math.inf)
 
 
+def compact_valid(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``values[valid]`` as float32 [N] (row-major); a free view when every token is valid."""
+    values = values.detach().float()
+    if bool(valid.all()):
+        return values.reshape(-1)
+    return values[valid]
+
+
 def _order_keys(values: torch.Tensor, descending: bool) -> torch.Tensor:
     """int32 keys whose ascending order is the float32 order of ``values`` (or its reverse).
 

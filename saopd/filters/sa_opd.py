@@ -28,7 +28,7 @@ from saopd.filters.base import (
     result_from_filtered,
     scatter_valid,
 )
-from saopd.filters.ranks import IntersectionPath, alpha_to_fill
+from saopd.filters.ranks import IntersectionPath, alpha_to_fill, compact_valid
 from saopd.signals.token_signals import TokenSignals
 
 EXTREMES = ("abs", "two_sided")
@@ -114,8 +114,7 @@ def spurious_token_mask(
     check_same_shape("a_full", a_full, valid.shape, "valid")
     check_same_shape("delta", delta, valid.shape, "valid")
 
-    a = a_full.detach().float()[valid]  # [N] compact, row-major
-    d = delta.detach().float()[valid]  # [N]
+    a, d = compact_valid(a_full, valid), compact_valid(delta, valid)  # [N] each, row-major
     n = a.numel()
     adaptive = beta_min is not None or beta_max is not None
     empty = torch.zeros_like(valid)
