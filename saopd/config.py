@@ -154,6 +154,35 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalDuringTrainingConfig:
+    """Evaluation of the live student every N steps (same code as ``saopd-eval``).
+
+    Attributes:
+        every_n_steps: 0 = never.
+        benchmarks: gsm8k (vendored test split) and/or prepared benchmarks in ``data_dir``.
+        limit: problems per benchmark (a fixed subset: the first ``limit``).
+        k, temperature, top_p, max_new_tokens: sampling per problem (Avg@k).
+        data_dir: where ``dvc repro prepare_eval`` writes the prepared benchmarks.
+    """
+
+    every_n_steps: int = 0
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])
+    limit: int | None = 32
+    k: int = 1
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_new_tokens: int = 256
+    data_dir: str = MISSING
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
+            raise ValueError(f"eval.every_n_steps must be an int >= 0, got {self.every_n_steps!r}")
+        _positive_int("eval", "k", self.k)
+        _positive_int("eval", "limit", self.limit, allow_none=True)
+        _positive_int("eval", "max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
 class PathsConfig:
     """Where things go. ``root``: the repository (data and the MLflow store); ``output_dir``:
     this run's folder (checkpoints, token views, the resolved config)."""
@@ -187,6 +216,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     step: StepConfig = field(default_factory=StepConfig)
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment_name: str = "default"
     seed: int = 0

@@ -158,6 +158,8 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     ]
     if conf.trainer.view_every_n_steps:
         callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
+    if conf.eval.every_n_steps:
+        callbacks.append(_eval_callback(conf, out_dir))
     callbacks.extend(extra_callbacks or [])
     trainer = L.Trainer(
         accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
@@ -182,6 +184,22 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
                "seconds": round(time.perf_counter() - started, 1)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
+    from saopd.eval.runner import load_benchmark
+    from saopd.lightning.callbacks import EvalCallback
+    from saopd.rollout.base import SamplingParams
+
+    try:
+        problems = {name: load_benchmark(name, conf.eval.data_dir, limit=conf.eval.limit)
+                    for name in conf.eval.benchmarks}
+    except (FileNotFoundError, ValueError) as err:
+        raise UserError(f"eval: {err}") from None
+    sampling = SamplingParams(n=conf.eval.k, temperature=conf.eval.temperature,
+                              top_p=conf.eval.top_p, max_new_tokens=conf.eval.max_new_tokens,
+                              seed=conf.seed)
+    return EvalCallback(conf.eval.every_n_steps, problems, sampling, out_dir)
 
 
 def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool

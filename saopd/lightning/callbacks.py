@@ -80,3 +80,47 @@ class TokenViewCallback(L.Callback):
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
                 logger.experiment.log_artifact(logger.run_id, str(path), "token_view")
+
+
+class EvalCallback(L.Callback):
+    """Every ``every_n_steps``, Avg@k of the live student on held-out benchmarks.
+
+    Uses the same code as ``saopd-eval`` (:func:`saopd.eval.runner.evaluate_benchmark`) with an
+    HF engine on the student; scores go to the trainer's loggers as ``eval/<name>/avg@<k>`` at
+    the step's index, and the per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/``.
+    """
+
+    def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
+                 sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
+                 grade_workers: int | None = None) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.problems = problems
+        self.sampling = sampling
+        self.out_dir = Path(out_dir)
+        self.batch_size = batch_size
+        self.grade_workers = grade_workers
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        done = trainer.global_step
+        if done % self.every_n_steps != 0:
+            return
+        from saopd.eval.runner import evaluate_benchmark, write_jsonl_atomic
+        from saopd.rollout.hf import HFGenerateEngine
+
+        step = done - 1
+        engine = HFGenerateEngine(pl_module.student, pl_module.tokenizer,
+                                  batch_size=self.batch_size)
+        metrics = {}
+        for name, problems in self.problems.items():
+            res = evaluate_benchmark(name, problems, engine, pl_module.tokenizer, self.sampling,
+                                     batch_size=self.batch_size,
+                                     grade_workers=self.grade_workers)
+            write_jsonl_atomic(self.out_dir / "eval" / f"step_{step:06d}" / f"{name}.jsonl",
+                               res.samples)
+            metrics[f"eval/{name}/avg@{res.k}"] = res.score
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        pl_module.last_eval = metrics

@@ -1,0 +1,139 @@
+"""Avg@k evaluation on math benchmarks through the rollout engines.
+
+For each problem, ``k`` responses are sampled (the paper: temperature 1.0, top-p 0.95) and graded
+against the gold answer (:func:`saopd.eval.math.grade_many`); a benchmark's score is the mean over
+problems of the fraction of correct samples (Avg@k; with k = 1 it is plain accuracy). Every sample
+is kept in a JSONL (problem id, sample index, response, extracted answer, correct).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from saopd.data.prompts import gsm8k_records, load_jsonl
+from saopd.rollout.base import RolloutEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MATH_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math")
+REQUIRED_FIELDS = ("id", "messages", "answer")
+
+
+@dataclass
+class EvalProblem:
+    """One benchmark problem: chat messages to sample from and the gold answer."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    answer: str
+    source: str
+
+
+@dataclass
+class BenchmarkResult:
+    """Avg@k of one benchmark and its per-sample rows."""
+
+    name: str
+    k: int
+    score: float
+    problems: int
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    unfinished: int = 0
+
+
+def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
+                   skip_bad: bool = False) -> list[EvalProblem]:
+    """Problems of ``name``: ``gsm8k`` (the vendored test split) or a prepared JSONL
+    ``<data_dir>/<name>.jsonl`` (``dvc repro prepare_eval`` writes them)."""
+    if name == "gsm8k":
+        from saopd.data.prompts import GSM8K_DIR
+
+        records, _ = gsm8k_records(GSM8K_DIR / "test.jsonl", limit=limit, skip_bad=skip_bad)
+        return [EvalProblem(r.id, r.messages, r.answer or "", "gsm8k") for r in records]
+    path = Path(data_dir) / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"benchmark {name!r}: no prepared file {path}; run `dvc repro prepare_eval` "
+            f"(known benchmarks: gsm8k, {', '.join(MATH_BENCHMARKS)})"
+        )
+    rows, _ = load_jsonl(path, skip_bad=skip_bad)
+    problems = []
+    for line, row in enumerate(rows, start=1):
+        missing = [f for f in REQUIRED_FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"{path}: row {line} lacks field(s) {missing}")
+        problems.append(EvalProblem(str(row["id"]), row["messages"], str(row["answer"]),
+                                    row.get("source", name)))
+        if limit is not None and len(problems) >= limit:
+            break
+    return problems
+
+
+def evaluate_benchmark(
+    name: str,
+    problems: Sequence[EvalProblem],
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    sampling: SamplingParams,
+    *,
+    batch_size: int = 8,
+    grade_workers: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> BenchmarkResult:
+    """Sample ``sampling.n`` responses per problem, grade them, return Avg@k and every sample."""
+    from saopd.eval.math import extract_answer, grade_many
+
+    samples: list[dict[str, Any]] = []
+    unfinished = 0
+    for start in range(0, len(problems), batch_size):
+        part = problems[start:start + batch_size]
+        batch_sampling = sampling
+        if sampling.seed is not None:  # distinct, reproducible draws per batch
+            batch_sampling = SamplingParams(**{**sampling.__dict__,
+                                               "seed": sampling.seed + start})
+        rollouts = engine.generate([p.messages for p in part], batch_sampling)
+        counters: dict[int, int] = {}
+        for r in rollouts.rollouts:
+            problem = part[r.prompt_index]
+            index = counters.get(r.prompt_index, 0)
+            counters[r.prompt_index] = index + 1
+            text = tokenizer.decode(r.response_ids, skip_special_tokens=True)
+            unfinished += not r.finished
+            samples.append({"benchmark": name, "id": problem.id, "sample": index,
+                            "response": text, "gold": problem.answer,
+                            "extracted": extract_answer(text), "finished": r.finished,
+                            "tokens": len(r.response_ids)})
+        if progress is not None:
+            progress(len(part))
+    verdicts = grade_many([(s["response"], s["gold"]) for s in samples], workers=grade_workers)
+    per_problem: dict[str, list[bool]] = {}
+    for sample, ok in zip(samples, verdicts, strict=True):
+        sample["correct"] = bool(ok)
+        per_problem.setdefault(sample["id"], []).append(bool(ok))
+    score = (sum(sum(v) / len(v) for v in per_problem.values()) / len(per_problem)
+             if per_problem else 0.0)
+    return BenchmarkResult(name=name, k=sampling.n, score=score, problems=len(per_problem),
+                           samples=samples, unfinished=unfinished)
+
+
+def write_jsonl_atomic(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
+    """Write rows as JSONL via a temporary file and ``os.replace``: never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

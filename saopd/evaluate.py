@@ -1,0 +1,202 @@
+"""``saopd-eval``: Avg@k of a model on math benchmarks, logged to MLflow.
+
+    saopd-eval model=smollm2_135m_instruct benchmarks=[gsm8k] limit=50 k=1
+    saopd-eval checkpoint=outputs/smollm2_gsm8k/<run>/checkpoints/last.ckpt     # a trained student
+    saopd-eval run_id=<mlflow run id>      # the run's last checkpoint; results go into that run
+    saopd-eval model.name_or_path=Qwen/Qwen3-1.7B trainer_device=cuda            # any hub model
+
+Sampling follows the paper (temperature 1.0, top-p 0.95, per-benchmark max new tokens); the
+default benchmarks need ``dvc repro prepare_eval`` (``gsm8k`` reads the vendored test split).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from saopd.models.factory import ModelConfig
+
+log = logging.getLogger("saopd.eval")
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+DEFAULT_MAX_NEW_TOKENS = {"math500": 18000, "aime24": 18000, "aime25": 18000, "amc23": 18000,
+                          "minerva_math": 18000, "gsm8k": 1024}
+
+
+@dataclass
+class EvalConfig:
+    """``saopd-eval``'s config (``conf/eval.yaml``).
+
+    Attributes:
+        model: the model to evaluate (hub id, path, tiny); ignored when ``checkpoint`` or
+            ``run_id`` names a training run, whose student config is used instead.
+        checkpoint: a saopd training checkpoint; its student weights are evaluated.
+        run_id: an MLflow training run: its last checkpoint is evaluated and the results are
+            logged into that run.
+        benchmarks: names (gsm8k, math500, aime24, aime25, amc23, minerva_math).
+        k: samples per problem (Avg@k); ``k_per_benchmark`` overrides it per benchmark.
+        temperature, top_p: sampling (the paper: 1.0, 0.95).
+        max_new_tokens: per benchmark; unnamed benchmarks use ``default_max_new_tokens``.
+        limit: evaluate only the first ``limit`` problems of each benchmark.
+        batch_size: problems per ``generate`` call.
+        grade_workers: processes grading answers (None = one per core).
+        device: where the model runs (cpu | cuda).
+    """
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="unset"))
+    checkpoint: str | None = None
+    run_id: str | None = None
+    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])
+    data_dir: str = MISSING
+    k: int = 8
+    k_per_benchmark: dict[str, int] = field(default_factory=dict)
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_new_tokens: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_NEW_TOKENS))
+    default_max_new_tokens: int = 4096
+    limit: int | None = None
+    batch_size: int = 8
+    grade_workers: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    output_dir: str = MISSING
+    tracking_uri: str | None = None
+    experiment_name: str = "eval"
+    log_to_mlflow: bool = True
+
+
+def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
+    saved = run_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        log.warning("no saved config in %s; using the model group's config", run_dir)
+        return fallback
+    cfg = OmegaConf.load(saved)
+    return ModelConfig(**OmegaConf.to_container(cfg.student, resolve=False))
+
+
+def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, int]:
+    """Build the run's student architecture and load a checkpoint's student weights."""
+    from saopd.models.factory import build_model
+
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"checkpoint: no such file {ckpt}")
+    cfg = _student_from_run(ckpt.parent.parent, model_cfg)
+    model, tokenizer = build_model(cfg)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    student = {k[len("student."):]: v for k, v in state["state_dict"].items()
+               if k.startswith("student.")}
+    missing, unexpected = model.load_state_dict(student, strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise ValueError(f"checkpoint {ckpt} does not fit the student: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    return model.eval(), tokenizer, int(state.get("global_step", 0))
+
+
+def run_eval(cfg: DictConfig) -> dict[str, Any]:
+    """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files."""
+    from saopd.eval.runner import evaluate_benchmark, load_benchmark, write_jsonl_atomic
+    from saopd.models.factory import build_model
+    from saopd.rollout.base import SamplingParams
+    from saopd.rollout.hf import HFGenerateEngine
+
+    conf: EvalConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    out_dir = Path(conf.output_dir)
+    step = 0
+    tracking_uri = conf.tracking_uri
+    ckpt = Path(conf.checkpoint) if conf.checkpoint else None
+    if conf.run_id:
+        import mlflow
+
+        client = mlflow.MlflowClient(tracking_uri)
+        params = client.get_run(conf.run_id).data.params
+        ckpt = Path(params["paths.output_dir"]) / "checkpoints" / "last.ckpt"
+    if ckpt is not None:
+        model, tokenizer, step = load_checkpoint_student(ckpt, conf.model)
+    else:
+        model, tokenizer = build_model(conf.model)
+    model.to(conf.device)
+    engine = HFGenerateEngine(model, tokenizer, batch_size=conf.batch_size)
+
+    results: dict[str, Any] = {}
+    for name in conf.benchmarks:
+        problems = load_benchmark(name, conf.data_dir, limit=conf.limit)
+        k = conf.k_per_benchmark.get(name, conf.k)
+        sampling = SamplingParams(n=k, temperature=conf.temperature, top_p=conf.top_p,
+                                  max_new_tokens=conf.max_new_tokens.get(
+                                      name, conf.default_max_new_tokens), seed=conf.seed)
+        started = time.perf_counter()
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(problems), desc=f"{name} avg@{k}", unit="problem") as bar:
+            res = evaluate_benchmark(name, problems, engine, tokenizer, sampling,
+                                     batch_size=conf.batch_size,
+                                     grade_workers=conf.grade_workers, progress=bar.update)
+        path = write_jsonl_atomic(out_dir / f"{name}.jsonl", res.samples)
+        results[name] = {"score": res.score, "k": k, "problems": res.problems,
+                         "unfinished": res.unfinished, "samples_file": str(path),
+                         "seconds": round(time.perf_counter() - started, 1)}
+        log.info("%s: avg@%d = %.4f over %d problems", name, k, res.score, res.problems)
+    average = sum(r["score"] for r in results.values()) / max(1, len(results))
+    summary = {"benchmarks": results, "average": average, "step": step,
+               "checkpoint": str(ckpt) if ckpt else None, "output_dir": str(out_dir)}
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if conf.log_to_mlflow:
+        summary["run_id"] = _log_mlflow(conf, summary, out_dir, tracking_uri)
+    return summary
+
+
+def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
+                tracking_uri: str | None) -> str:
+    import mlflow
+
+    from saopd.tracking import default_tracking_uri
+
+    uri = tracking_uri or default_tracking_uri(Path(CONF_DIR).parent)
+    client = mlflow.MlflowClient(uri)
+    run_id = conf.run_id
+    if run_id is None:
+        exp = client.get_experiment_by_name(conf.experiment_name)
+        exp_id = exp.experiment_id if exp else client.create_experiment(conf.experiment_name)
+        run_id = client.create_run(exp_id, run_name=f"eval-{'-'.join(conf.benchmarks)}").info.run_id
+    step = summary["step"]
+    for name, res in summary["benchmarks"].items():
+        client.log_metric(run_id, f"eval/{name}/avg@{res['k']}", res["score"], step=step)
+    client.log_metric(run_id, "eval/average", summary["average"], step=step)
+    for path in sorted(out_dir.glob("*.json*")):
+        client.log_artifact(run_id, str(path), f"eval/step_{step:06d}")
+    if conf.run_id is None:
+        client.set_terminated(run_id)
+    return run_id
+
+
+ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point (``saopd-eval``)."""
+    try:
+        summary = run_eval(cfg)
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"saopd-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    for name, res in summary["benchmarks"].items():
+        print(f"{name:14s} avg@{res['k']:<3d} {res['score']:.4f}  ({res['problems']} problems, "
+              f"{res['unfinished']} unfinished samples)")
+    print(f"{'average':14s}        {summary['average']:.4f}")
+    print(f"per-sample results: {summary['output_dir']}")
+    if "run_id" in summary:
+        print(f"MLflow run: {summary['run_id']}")
+
+
+if __name__ == "__main__":
+    main()
