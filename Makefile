@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test lint bench-filter bench-scoring
+.PHONY: setup run test lint data bench-filter bench-scoring
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ setup: $(VENV)/.installed
 test: setup
 	$(VPY) -m pytest -q -n 2 || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; \
 	  exit $$rc; }
+
+# DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache
+data: setup
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
 lint: setup
 	$(VENV)/bin/ruff check saopd tests experiments

@@ -103,7 +103,8 @@ def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, An
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files."""
-    from saopd.eval.runner import evaluate_benchmark, load_benchmark, write_jsonl_atomic
+    from saopd.data.prepare import write_jsonl_atomic
+    from saopd.eval.runner import evaluate_benchmark, load_benchmark
     from saopd.models.factory import build_model
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
@@ -140,7 +141,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
             res = evaluate_benchmark(name, problems, engine, tokenizer, sampling,
                                      batch_size=conf.batch_size,
                                      grade_workers=conf.grade_workers, progress=bar.update)
-        path = write_jsonl_atomic(out_dir / f"{name}.jsonl", res.samples)
+        path = out_dir / f"{name}.jsonl"
+        write_jsonl_atomic(path, res.samples)
         results[name] = {"score": res.score, "k": k, "problems": res.problems,
                          "unfinished": res.unfinished, "samples_file": str(path),
                          "seconds": round(time.perf_counter() - started, 1)}

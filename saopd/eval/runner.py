@@ -8,9 +8,6 @@ is kept in a JSONL (problem id, sample index, response, extracted answer, correc
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,19 +118,3 @@ def evaluate_benchmark(
              if per_problem else 0.0)
     return BenchmarkResult(name=name, k=sampling.n, score=score, problems=len(per_problem),
                            samples=samples, unfinished=unfinished)
-
-
-def write_jsonl_atomic(path: str | Path, rows: Sequence[dict[str, Any]]) -> Path:
-    """Write rows as JSONL via a temporary file and ``os.replace``: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path

@@ -107,7 +107,8 @@ class EvalCallback(L.Callback):
         done = trainer.global_step
         if done % self.every_n_steps != 0:
             return
-        from saopd.eval.runner import evaluate_benchmark, write_jsonl_atomic
+        from saopd.data.prepare import write_jsonl_atomic
+        from saopd.eval.runner import evaluate_benchmark
         from saopd.rollout.hf import HFGenerateEngine
 
         step = done - 1

@@ -1,0 +1,806 @@
+"""Data preparation stages of the DVC pipeline: evaluation benchmarks and the training prompts.
+
+Run as ``python -m saopd.data.prepare <stage> --params params.yaml`` (``dvc repro`` does this,
+see ``dvc.yaml``). Relative paths in the params file are resolved against the params file's
+folder (the repository root for ``params.yaml``).
+
+Both stages write one JSON object per line, in one schema::
+
+    {"id": str, "messages": [{"role": "user", "content": problem + "\\n" + instruction}],
+     "prompt": problem, "answer": gold answer (str), "source": dataset name, "metadata": {...}}
+
+``prompt`` is the problem stripped of surrounding whitespace. Ids: ``<benchmark>-<line - 1>``
+(the 0-based row of the vendored file, also ``metadata["index"]``; ``metadata["line"]`` is the
+1-based line), ``deepmath-<row of the split>``, ``gsm8k-train-<line>``.
+
+``prepare_eval`` (:func:`prepare_eval`) normalises the vendored benchmarks in
+``data/benchmarks`` (see its ``PROVENANCE.md``) to ``<out_dir>/<name>.jsonl``:
+
+- every input file's sha256 and row count are checked against the params first; a mismatch
+  raises :class:`PrepareError` naming the file, the expected and the actual value;
+- ``aime25``: the upstream defect where ``\\f`` of ``\\frac`` became U+000C and ``\\t`` of
+  ``\\triangle`` became U+0009 is repaired on ``problem`` (rows 18, 27 and 19);
+- ``amc23``: float answers become integers when integral (``27.0`` -> ``"27"``);
+- ``minerva_math``: the gold answer is the content of the last ``\\boxed{...}`` of the
+  solution (balanced braces, :func:`last_boxed`);
+- ``aime24``/``aime25``: the answer is kept as given (``"025"``), ``metadata["answer_int"]`` holds
+  it as an integer string (``"25"``).
+
+``prepare_train`` (:func:`prepare_train`) writes ``<out>`` (``data/prepared/train/train.jsonl``)
+from ``source: deepmath`` (``zwhe99/DeepMath-103K`` through Hugging Face ``datasets``, imported
+only on that path; rows with ``difficulty >= min_difficulty`` and a seeded ``fraction`` of them)
+or ``source: local`` (a local JSONL, by default the vendored GSM8K train split read with
+:func:`saopd.data.prompts.gsm8k_records`). The source is always logged and written to the report.
+
+Bad input (a line that is not valid UTF-8/JSON or not an object, a missing or invalid field)
+raises :class:`PrepareError` naming ``file:line``; with ``skip_bad: true`` the row is skipped
+and counted in the stage's ``report.json``. Every output is written to a temporary file in the
+same folder and moved into place with :func:`os.replace`, and a stage writes nothing until all
+of its inputs were read and checked, so no half-written file ever appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "BENCHMARKS",
+    "DEEPMATH_COLUMNS",
+    "DEFAULT_INSTRUCTION",
+    "STAGES",
+    "PrepareError",
+    "StageReport",
+    "deepmath_records",
+    "file_sha256",
+    "last_boxed",
+    "load_params",
+    "main",
+    "make_record",
+    "prepare_eval",
+    "prepare_train",
+    "repair_aime25_problem",
+    "verify_input",
+    "write_json_atomic",
+    "write_jsonl_atomic",
+]
+
+logger = logging.getLogger(__name__)
+
+PathLike = str | os.PathLike[str]
+
+#: Default instruction appended (after a newline) to every problem; ``params.yaml`` sets it too.
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+#: Stage names accepted by the command line.
+STAGES = ("prepare_eval", "prepare_train")
+
+#: Columns of ``zwhe99/DeepMath-103K`` that are read. The dataset (one ``train`` split, about
+#: 103k rows) also has ``r1_solution_1..3``, three long DeepSeek-R1 solutions, which are not
+#: loaded. The names follow the dataset card as remembered, not a download (the hub cannot be
+#: reached here); ``question``/``final_answer``/``difficulty`` are checked when the dataset is
+#: loaded, and a mismatch raises an error listing the columns found.
+DEEPMATH_COLUMNS = ("question", "final_answer", "difficulty", "topic")
+
+#: At most this many bad-row messages are kept in a report (the count is always exact).
+MAX_REPORTED_ERRORS = 100
+
+
+class PrepareError(ValueError):
+    """A data preparation error: bad input, a checksum/row-count mismatch or a bad parameter."""
+
+
+# ----------------------------------------------------------------------------------- records
+
+
+def make_record(
+    id: str,
+    problem: str,
+    answer: str,
+    source: str,
+    instruction: str | None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One output row of the common schema.
+
+    ``prompt`` is ``problem`` stripped of surrounding whitespace; the single user message is
+    ``prompt + "\\n" + instruction`` (the bare prompt when ``instruction`` is empty or ``None``).
+    """
+    prompt = problem.strip()
+    content = f"{prompt}\n{instruction}" if instruction else prompt
+    return {
+        "id": id,
+        "messages": [{"role": "user", "content": content}],
+        "prompt": prompt,
+        "answer": answer,
+        "source": source,
+        "metadata": dict(metadata or {}),
+    }
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text``, stripped; ``None`` if there is none.
+
+    Braces are matched with a depth counter, so nested groups (``\\boxed{\\frac{a}{b}}``) are
+    kept whole; a backslash escapes the next character (``\\{``, ``\\}`` and ``\\\\`` do not
+    count). Returns ``None`` when the last ``\\boxed{`` is never closed.
+    """
+    starts = [m.end() for m in re.finditer(r"\\boxed\s*\{", text)]
+    if not starts:
+        return None
+    start = starts[-1]
+    depth, i = 1, start
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i].strip()
+        i += 1
+    return None
+
+
+def repair_aime25_problem(problem: str) -> tuple[str, dict[str, int]]:
+    """Undo the upstream AIME25 defect: U+000C -> ``\\f`` and U+0009 -> ``\\t``.
+
+    (``"\\frac"`` and ``"\\triangle"`` were written into JSON unescaped, so ``\\f``/``\\t``
+    became a form feed/tab.) Returns the repaired text and the number of each repair made, e.g.
+    ``{"\\\\f": 5}``; an empty dict when nothing was changed.
+    """
+    counts = {"\\f": problem.count("\x0c"), "\\t": problem.count("\t")}
+    repaired = problem.replace("\x0c", "\\f").replace("\t", "\\t")
+    return repaired, {k: v for k, v in counts.items() if v}
+
+
+def _answer_str(value: Any) -> str:
+    """A gold answer as a string: str stripped, int as is, integral float as int (``27.0`` ->
+    ``"27"``), other floats with ``repr``. Raises ``ValueError`` for anything else or empty."""
+    if isinstance(value, bool):
+        raise ValueError(f"answer must be a string or a number, got {value!r}")
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"answer is not finite: {value!r}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"answer must be a non-empty string or a number, got {value!r}")
+
+
+def _int_str(answer: str) -> str:
+    """An integer answer string without zero padding (``"025"`` -> ``"25"``)."""
+    try:
+        return str(int(answer))
+    except ValueError:
+        raise ValueError(f"answer {answer!r} is not an integer") from None
+
+
+def _problem(row: Mapping[str, Any], key: str = "problem") -> str:
+    value = row.get(key)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(
+            f"missing or empty field {key!r} (need a non-empty string; keys: {sorted(row)})"
+        )
+    return value
+
+
+def _field(row: Mapping[str, Any], key: str) -> Any:
+    if key not in row or row[key] is None:
+        raise ValueError(f"missing field {key!r} (keys: {sorted(row)})")
+    return row[key]
+
+
+# ------------------------------------------------------------------------------- benchmarks
+
+Normaliser = Callable[[Mapping[str, Any], int, str | None], dict[str, Any]]
+
+
+def _math500(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
+    meta = {k: row.get(k) for k in ("unique_id", "subject", "level", "solution")}
+    return make_record(
+        f"math500-{index}", _problem(row), _answer_str(_field(row, "answer")), "math500",
+        instruction, meta,
+    )
+
+
+def _aime24(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
+    answer = _answer_str(_field(row, "answer"))
+    meta = {
+        "native_id": row.get("id"), "answer_int": _int_str(answer), "url": row.get("url"),
+        "solution": row.get("solution"),
+    }
+    return make_record(f"aime24-{index}", _problem(row), answer, "aime24", instruction, meta)
+
+
+def _aime25(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
+    answer = _answer_str(_field(row, "answer"))
+    problem, repairs = repair_aime25_problem(_problem(row))
+    meta = {"native_id": row.get("id"), "answer_int": _int_str(answer), "repairs": repairs}
+    return make_record(f"aime25-{index}", problem, answer, "aime25", instruction, meta)
+
+
+def _amc23(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
+    raw = _field(row, "answer")
+    meta = {"native_id": row.get("id"), "answer_raw": raw, "url": row.get("url")}
+    return make_record(
+        f"amc23-{index}", _problem(row), _answer_str(raw), "amc23", instruction, meta
+    )
+
+
+def _minerva_math(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
+    solution = _problem(row, "solution")
+    answer = last_boxed(solution)
+    if not answer:
+        raise ValueError("the solution has no closed, non-empty \\boxed{...} for the answer")
+    meta = {"idx": row.get("idx"), "type": row.get("type"), "solution": solution}
+    return make_record(
+        f"minerva_math-{index}", _problem(row), answer, "minerva_math", instruction, meta
+    )
+
+
+#: Benchmark name -> row normaliser ``(row, 0-based index, instruction) -> record``.
+BENCHMARKS: dict[str, Normaliser] = {
+    "math500": _math500,
+    "aime24": _aime24,
+    "aime25": _aime25,
+    "amc23": _amc23,
+    "minerva_math": _minerva_math,
+}
+
+
+# -------------------------------------------------------------------------- reading/checking
+
+
+@dataclass
+class StageReport:
+    """Counts for one input of a stage, written into the stage's ``report.json``."""
+
+    input: str
+    rows_in: int = 0
+    rows_out: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def bad(self, msg: str, skip_bad: bool) -> None:
+        """Raise :class:`PrepareError` with ``msg``, or count it when ``skip_bad``."""
+        if not skip_bad:
+            raise PrepareError(msg)
+        self.skipped += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(msg)
+        logger.warning("skipped: %s", msg)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready counts (``errors`` holds at most :data:`MAX_REPORTED_ERRORS` messages)."""
+        return {
+            "input": self.input, "rows_in": self.rows_in, "rows_out": self.rows_out,
+            "skipped": self.skipped, "errors": list(self.errors),
+        }
+
+
+def file_sha256(path: PathLike) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _count_rows(path: PathLike) -> int:
+    """Non-blank lines of a JSONL file (the rows, good or bad)."""
+    with open(path, "rb") as fh:
+        return sum(1 for raw in fh if raw.strip())
+
+
+def verify_input(
+    path: PathLike, *, sha256: str | None, rows: int | None, name: str | None = None
+) -> tuple[str, int]:
+    """Check a file's sha256 and row count (non-blank lines) against the expected values.
+
+    ``None`` skips a check (a warning is logged). Raises :class:`PrepareError` naming the file
+    (``name``, default the path), the expected and the actual value on a mismatch, or if the
+    file does not exist. Returns ``(sha256, rows)`` as found.
+    """
+    shown = name or os.fspath(path)
+    if not Path(path).is_file():
+        raise PrepareError(f"{shown}: input file not found ({os.fspath(path)})")
+    got_sha, got_rows = file_sha256(path), _count_rows(path)
+    if sha256 is None:
+        logger.warning("%s: no expected sha256 given, not checked (sha256 %s)", shown, got_sha)
+    elif got_sha != sha256.lower():
+        raise PrepareError(f"{shown}: sha256 mismatch: expected {sha256}, got {got_sha}")
+    if rows is None:
+        logger.warning("%s: no expected row count given, not checked (%d rows)", shown, got_rows)
+    elif got_rows != rows:
+        raise PrepareError(f"{shown}: row count mismatch: expected {rows} rows, got {got_rows}")
+    return got_sha, got_rows
+
+
+def iter_jsonl(
+    path: PathLike, report: StageReport, skip_bad: bool, name: str | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, object)`` per non-blank line (1-based; a UTF-8 BOM is dropped).
+
+    A line that is not valid UTF-8 or JSON, or not a JSON object, raises
+    ``PrepareError("<name>:<line>: ...")``, or is counted in ``report`` when ``skip_bad``.
+    """
+    shown = name or os.fspath(path)
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                report.bad(f"{shown}:{lineno}: not valid UTF-8 ({e.reason})", skip_bad)
+                continue
+            if lineno == 1:
+                text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                report.bad(
+                    f"{shown}:{lineno}: invalid JSON ({e.msg} at column {e.colno})", skip_bad
+                )
+                continue
+            if not isinstance(obj, dict):
+                report.bad(
+                    f"{shown}:{lineno}: expected a JSON object, got {type(obj).__name__}",
+                    skip_bad,
+                )
+                continue
+            yield lineno, obj
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+#: Line breaks for ``str.splitlines`` that ``json.dumps(ensure_ascii=False)`` leaves raw; they
+#: are escaped so that every reader sees exactly one record per line (GSM8K has U+2028).
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _encode(record: Mapping[str, Any]) -> str:
+    """One JSON line: UTF-8 text as is, except the Unicode line breaks in :data:`_LINE_BREAKS`."""
+    text = json.dumps(record, ensure_ascii=False)
+    for raw, escaped in _LINE_BREAKS.items():
+        text = text.replace(raw, escaped)
+    return text + "\n"
+
+
+def _atomic_write(path: Path, chunks: Iterable[str]) -> str:
+    """Write ``chunks`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it onto
+    ``path``. On any error the temporary file is removed and ``path`` is left as it was. The file
+    gets the usual ``0o666 & ~umask`` permissions. Returns the sha256 of what was written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    h = hashlib.sha256()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for chunk in chunks:
+                data = chunk.encode("utf-8")
+                h.update(data)
+                fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return h.hexdigest()
+
+
+def write_jsonl_atomic(path: PathLike, records: Iterable[Mapping[str, Any]]) -> str:
+    """Write ``records`` as JSON lines (UTF-8, not ASCII-escaped, but U+0085/U+2028/U+2029 are
+    escaped) atomically; see :func:`_atomic_write`. Returns the sha256 of the file."""
+    return _atomic_write(Path(path), (_encode(r) for r in records))
+
+
+def write_json_atomic(path: PathLike, obj: Any) -> str:
+    """Write ``obj`` as indented JSON atomically. Returns the sha256 of the file."""
+    return _atomic_write(Path(path), [json.dumps(obj, ensure_ascii=False, indent=2) + "\n"])
+
+
+# ------------------------------------------------------------------------------------- params
+
+
+def load_params(path: PathLike) -> dict[str, Any]:
+    """Read a YAML params file (a mapping at the top level)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            params = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise PrepareError(f"params file not found: {os.fspath(path)}") from None
+    if not isinstance(params, dict):
+        raise PrepareError(f"{os.fspath(path)}: expected a mapping at the top level")
+    return params
+
+
+def _section(params: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+    value = params.get(key)
+    if not isinstance(value, dict):
+        raise PrepareError(f"{where}: missing or invalid section {key!r} (expected a mapping)")
+    return value
+
+
+def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in cfg:
+        raise PrepareError(f"{where}: missing parameter {key!r}")
+    return cfg[key]
+
+
+def _optional_int(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PrepareError(f"{where}: {key!r} must be an int >= 0 or null, got {value!r}")
+    return value
+
+
+def _flag(cfg: Mapping[str, Any], key: str, where: str) -> bool:
+    """A boolean parameter (default ``False``); a YAML string like ``"false"`` is an error."""
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise PrepareError(f"{where}: {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _instruction(cfg: Mapping[str, Any], where: str) -> str | None:
+    """The ``instruction`` parameter: a string, or null/empty for the bare problem."""
+    value = cfg.get("instruction", DEFAULT_INSTRUCTION)
+    if value is not None and not isinstance(value, str):
+        raise PrepareError(f"{where}: 'instruction' must be a string or null, got {value!r}")
+    return value
+
+
+def _resolve(root: Path, value: Any, where: str) -> Path:
+    if not isinstance(value, str) or not value:
+        raise PrepareError(f"{where}: expected a path string, got {value!r}")
+    path = Path(value)
+    return path if path.is_absolute() else root / path
+
+
+# ------------------------------------------------------------------------------ prepare_eval
+
+
+def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, Any]:
+    """Stage ``prepare_eval``: normalise every benchmark of ``params["prepare_eval"]``.
+
+    Keys: ``instruction``, ``skip_bad``, ``out_dir`` and ``benchmarks: {name: {path, sha256,
+    rows}}`` (``name`` one of :data:`BENCHMARKS`). Inputs are all verified and converted in
+    memory before the first file is written; then ``<out_dir>/<name>.jsonl`` and
+    ``<out_dir>/report.json`` are written atomically. Relative paths are taken from ``root``.
+    Returns the report.
+    """
+    root = Path(root)
+    where = "prepare_eval"
+    cfg = _section(params, "prepare_eval", "params")
+    instruction = _instruction(cfg, where)
+    skip_bad = _flag(cfg, "skip_bad", where)
+    out_dir = _resolve(root, _require(cfg, "out_dir", where), f"{where}.out_dir")
+    benchmarks = _section(cfg, "benchmarks", where)
+    unknown = sorted(set(benchmarks) - set(BENCHMARKS))
+    if unknown:
+        raise PrepareError(f"{where}: unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
+
+    outputs: dict[str, list[dict[str, Any]]] = {}
+    reports: dict[str, dict[str, Any]] = {}
+    for name, bcfg in benchmarks.items():
+        bwhere = f"{where}.benchmarks.{name}"
+        if not isinstance(bcfg, dict):
+            raise PrepareError(f"{bwhere}: expected a mapping with path, sha256 and rows")
+        shown = _require(bcfg, "path", bwhere)
+        path = _resolve(root, shown, f"{bwhere}.path")
+        sha, n_rows = verify_input(
+            path, sha256=bcfg.get("sha256"), rows=_optional_int(bcfg, "rows", bwhere), name=shown
+        )
+        report = StageReport(input=shown, rows_in=n_rows)
+        records: list[dict[str, Any]] = []
+        normalise = BENCHMARKS[name]
+        for lineno, row in iter_jsonl(path, report, skip_bad, name=shown):
+            try:
+                rec = normalise(row, lineno - 1, instruction)
+            except ValueError as e:
+                report.bad(f"{shown}:{lineno}: {e}", skip_bad)
+                continue
+            rec["metadata"] = {"index": lineno - 1, "line": lineno, **rec["metadata"]}
+            records.append(rec)
+        report.rows_out = len(records)
+        outputs[name] = records
+        entry = report.as_dict()
+        entry["input_sha256"] = sha
+        if name == "aime25":
+            entry["repaired_rows"] = [
+                r["metadata"]["index"] for r in records if r["metadata"]["repairs"]
+            ]
+        reports[name] = entry
+
+    for name, records in outputs.items():
+        out = out_dir / f"{name}.jsonl"
+        reports[name]["output"] = _shown(out, root)
+        reports[name]["output_sha256"] = write_jsonl_atomic(out, records)
+        logger.info(
+            "prepare_eval: %s: %d rows in, %d out, %d skipped -> %s", name,
+            reports[name]["rows_in"], len(records), reports[name]["skipped"], out,
+        )
+    result = {
+        "stage": "prepare_eval", "instruction": instruction, "skip_bad": skip_bad,
+        "benchmarks": reports,
+    }
+    write_json_atomic(out_dir / "report.json", result)
+    return result
+
+
+def _shown(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it lies below it (reports stay machine-independent)."""
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return os.fspath(path)
+
+
+# ----------------------------------------------------------------------------- prepare_train
+
+
+def _deepmath_rank(seed: int, question: str, index: int) -> tuple[str, int]:
+    """Sort key of the seeded sample: sha256 of ``"<seed>\\x1f<question>"``, then the index."""
+    return hashlib.sha256(f"{seed}\x1f{question}".encode()).hexdigest(), index
+
+
+def deepmath_records(
+    rows: Iterable[tuple[int, Mapping[str, Any]]],
+    *,
+    min_difficulty: float,
+    fraction: float,
+    seed: int,
+    instruction: str | None,
+    skip_bad: bool,
+    report: StageReport,
+    where: str,
+    line_numbers: bool = False,
+) -> tuple[list[dict[str, Any]], int]:
+    """Filter DeepMath rows to ``difficulty >= min_difficulty`` and keep a seeded ``fraction``.
+
+    ``rows`` are ``(index, row)`` pairs (0-based index in the split, or line - 1 in a local
+    file); rows have DeepMath-103K's columns ``question``, ``final_answer``, ``difficulty``
+    (``topic`` optional). A row with a missing/empty question or answer or a non-numeric
+    difficulty raises :class:`PrepareError` naming ``<where>[<index>]`` (``<where>:<line>`` with
+    ``line_numbers``), or is counted in ``report`` with ``skip_bad``.
+
+    Of the ``n`` eligible rows, ``round(fraction * n)`` are kept: those with the smallest sha256
+    of ``"<seed>\\x1f<question>"`` (ties by index). The sample thus depends only on the seed and
+    the rows (not on the Python/NumPy version or the row order). Records keep the dataset's
+    order; ``id`` is ``deepmath-<index>`` and ``answer`` is ``final_answer``. Returns
+    ``(records, n_eligible)``.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise PrepareError(f"{where}: fraction must be in (0, 1], got {fraction!r}")
+    eligible: list[tuple[int, dict[str, Any]]] = []
+    for index, row in rows:
+        at = f"{where}:{index + 1}" if line_numbers else f"{where}[{index}]"
+        try:
+            question = _problem(row, "question")
+            answer = _answer_str(_field(row, "final_answer"))
+            difficulty = _field(row, "difficulty")
+            if isinstance(difficulty, bool) or not isinstance(difficulty, int | float):
+                raise ValueError(f"difficulty must be a number, got {difficulty!r}")
+        except ValueError as e:
+            report.bad(f"{at}: {e}", skip_bad)
+            continue
+        if difficulty >= min_difficulty:
+            meta = {"index": index, "difficulty": difficulty, "topic": row.get("topic")}
+            rec = make_record(f"deepmath-{index}", question, answer, "deepmath", instruction, meta)
+            eligible.append((index, rec))
+    k = round(fraction * len(eligible))
+    ranked = sorted(eligible, key=lambda item: _deepmath_rank(seed, item[1]["prompt"], item[0]))
+    keep = sorted(ranked[:k], key=lambda item: item[0])
+    return [rec for _, rec in keep], len(eligible)
+
+
+_OFFLINE_HINT = (
+    "To prepare training data offline, set `prepare_train.source: local` in params.yaml (the "
+    "vendored GSM8K train split by default, or a local JSONL export of DeepMath-103K with "
+    "`prepare_train.local.format: deepmath`)."
+)
+
+
+def _load_hf_rows(dataset: str, split: str, revision: str | None) -> list[dict[str, Any]]:
+    """Rows of a Hugging Face dataset split, only :data:`DEEPMATH_COLUMNS`, via ``datasets``.
+
+    ``datasets`` is imported here, so the rest of the module works without it. A missing
+    package or a failed load raises :class:`PrepareError` saying so and suggesting
+    ``source: local``.
+    """
+    try:
+        import datasets  # lazy: optional dependency, only this source needs it
+    except ImportError:
+        raise PrepareError(
+            f"prepare_train.source is 'deepmath', which loads {dataset!r} with the Hugging Face "
+            "`datasets` package, but `datasets` is not installed (pip install datasets). "
+            + _OFFLINE_HINT
+        ) from None
+    try:
+        ds = datasets.load_dataset(dataset, split=split, revision=revision)
+    except Exception as e:
+        raise PrepareError(
+            f"prepare_train.source is 'deepmath' but {dataset!r} (split {split!r}, revision "
+            f"{revision!r}) could not be loaded through `datasets` ({type(e).__name__}: {e}). "
+            "The Hugging Face hub is probably unreachable (no network, or HF_HUB_OFFLINE / "
+            "HF_DATASETS_OFFLINE set) and the dataset is not in the local cache. " + _OFFLINE_HINT
+        ) from e
+    names = list(getattr(ds, "column_names", None) or [])
+    missing = [c for c in ("question", "final_answer", "difficulty") if c not in names]
+    if missing:
+        raise PrepareError(
+            f"{dataset!r} (split {split!r}) has no column(s) {missing}; columns: {names}"
+        )
+    if hasattr(ds, "select_columns"):  # leave out r1_solution_1..3 (long texts)
+        ds = ds.select_columns([c for c in DEEPMATH_COLUMNS if c in names])
+    return [dict(row) for row in ds]
+
+
+def _sample_args(dm: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``min_difficulty``, ``fraction`` and ``seed`` of the ``deepmath`` params (defaults 6, 0.3,
+    0)."""
+    try:
+        return {
+            "min_difficulty": float(dm.get("min_difficulty", 6)),
+            "fraction": float(dm.get("fraction", 0.3)),
+            "seed": int(dm.get("seed", 0)),
+        }
+    except (TypeError, ValueError) as e:
+        raise PrepareError(f"{where}: invalid min_difficulty/fraction/seed ({e})") from e
+
+
+def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, Any]:
+    """Stage ``prepare_train``: write the training prompts from ``params["prepare_train"]``.
+
+    Keys: ``source`` (``deepmath`` or ``local``, required), ``instruction``, ``skip_bad``,
+    ``out``, ``deepmath: {dataset, split, revision, min_difficulty, fraction, seed}`` and
+    ``local: {path, format (gsm8k | deepmath), sha256, rows}``. A local ``format: deepmath``
+    file gets the same difficulty filter and sample as the hub dataset. The source is logged and
+    recorded in the report. Writes ``out`` and ``report.json`` beside it atomically, after all
+    input was read; returns the report.
+    """
+    root = Path(root)
+    where = "prepare_train"
+    cfg = _section(params, "prepare_train", "params")
+    source = _require(cfg, "source", where)
+    if source not in ("deepmath", "local"):
+        raise PrepareError(f"{where}.source must be 'deepmath' or 'local', got {source!r}")
+    instruction = _instruction(cfg, where)
+    skip_bad = _flag(cfg, "skip_bad", where)
+    out = _resolve(root, _require(cfg, "out", where), f"{where}.out")
+    dm = cfg.get("deepmath") or {}
+    extra: dict[str, Any] = {"source": source}
+
+    if source == "deepmath":
+        dataset = str(dm.get("dataset", "zwhe99/DeepMath-103K"))
+        split = str(dm.get("split", "train"))
+        revision = dm.get("revision")
+        logger.info("prepare_train: source=deepmath (%s, split %s, revision %s) via `datasets`",
+                    dataset, split, revision)
+        args = _sample_args(dm, f"{where}.deepmath")
+        rows = _load_hf_rows(dataset, split, revision)
+        report = StageReport(input=f"hf:{dataset}[{split}]@{revision or 'default'}",
+                             rows_in=len(rows))
+        records, eligible = deepmath_records(
+            enumerate(rows), instruction=instruction, skip_bad=skip_bad, report=report,
+            where=f"{dataset}[{split}]", **args,
+        )
+        extra.update({"dataset": dataset, "split": split, "revision": revision, **args,
+                      "rows_eligible": eligible})
+    else:
+        lcfg = _section(cfg, "local", where)
+        shown = _require(lcfg, "path", f"{where}.local")
+        path = _resolve(root, shown, f"{where}.local.path")
+        fmt = lcfg.get("format", "gsm8k")
+        if fmt not in ("gsm8k", "deepmath"):
+            raise PrepareError(f"{where}.local.format must be 'gsm8k' or 'deepmath', got {fmt!r}")
+        logger.info("prepare_train: source=local (%s, format %s)", shown, fmt)
+        sha, n_rows = verify_input(
+            path, sha256=lcfg.get("sha256"), rows=_optional_int(lcfg, "rows", f"{where}.local"),
+            name=shown,
+        )
+        extra.update({"format": fmt, "input_sha256": sha})
+        report = StageReport(input=shown, rows_in=n_rows)
+        if fmt == "gsm8k":
+            records = _gsm8k_local(path, shown, instruction, skip_bad, report)
+        else:
+            args = _sample_args(dm, f"{where}.deepmath")
+            pairs = [(n - 1, row) for n, row in iter_jsonl(path, report, skip_bad, name=shown)]
+            records, eligible = deepmath_records(
+                pairs, instruction=instruction, skip_bad=skip_bad, report=report, where=shown,
+                line_numbers=True, **args,
+            )
+            extra.update({**args, "rows_eligible": eligible})
+
+    report.rows_out = len(records)
+    sha_out = write_jsonl_atomic(out, records)
+    result = {
+        "stage": "prepare_train", **extra, "instruction": instruction, "skip_bad": skip_bad,
+        **report.as_dict(), "output": _shown(out, root), "output_sha256": sha_out,
+    }
+    write_json_atomic(out.parent / "report.json", result)
+    logger.info("prepare_train: %d rows in, %d out, %d skipped -> %s",
+                report.rows_in, report.rows_out, report.skipped, out)
+    return result
+
+
+def _gsm8k_local(
+    path: Path, shown: str, instruction: str | None, skip_bad: bool, report: StageReport
+) -> list[dict[str, Any]]:
+    """GSM8K JSONL -> records through :func:`saopd.data.prompts.gsm8k_records` (the bare
+    question as ``prompt``, the number after the last ``####`` as ``answer``, its id
+    ``gsm8k-train-<line>``). Errors name ``<shown>:<line>``."""
+    from saopd.data.prompts import gsm8k_records  # imports torch: only this path needs it
+
+    full = os.fspath(path)
+    try:
+        recs, read = gsm8k_records(path, instruction=None, skip_bad=skip_bad, split="train")
+    except ValueError as e:
+        raise PrepareError(str(e).replace(full, shown, 1)) from e
+    report.skipped = read.skipped
+    report.errors = [m.replace(full, shown, 1) for m in read.errors[:MAX_REPORTED_ERRORS]]
+    return [
+        make_record(rec.id, rec.messages[-1]["content"], rec.answer or "", "gsm8k", instruction,
+                    {"line": int(rec.id.rsplit("-", 1)[1])})
+        for rec in recs
+    ]
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    if stage == "prepare_eval":
+        return prepare_eval(params, root)
+    return prepare_train(params, root)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m saopd.data.prepare {prepare_eval,prepare_train} --params FILE``.
+
+    Exits 1 with a one-line ``error: ...`` on a :class:`PrepareError`.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m saopd.data.prepare", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("--params", default="params.yaml",
+                        help="YAML params file; relative paths in it are taken from its folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    params_path = Path(args.params)
+    try:
+        _run_stage(args.stage, load_params(params_path), params_path.resolve().parent)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
