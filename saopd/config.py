@@ -69,7 +69,9 @@ class DataConfig:
     """Training prompts.
 
     Attributes:
-        source: ``gsm8k`` (JSONL rows with ``question``/``answer``).
+        source: ``gsm8k`` (JSONL rows with ``question``/``answer``) or ``prepared`` (the DVC
+            pipeline's schema: ``id``, ``messages``, ``answer``; ``system_prompt`` and
+            ``instruction`` do not apply, the prepared messages are used as they are).
         path: the JSONL file.
         limit: use only the first ``limit`` rows.
         system_prompt: optional system turn before each question.
@@ -92,7 +94,7 @@ class DataConfig:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        check_choice("source", self.source, ("gsm8k",), owner="data")
+        check_choice("source", self.source, ("gsm8k", "prepared"), owner="data")
         check_choice("long_prompts", self.long_prompts, LONG_PROMPT_MODES, owner="data")
         _positive_int("data", "limit", self.limit, allow_none=True)
         _positive_int("data", "max_prompt_length", self.max_prompt_length, allow_none=True)

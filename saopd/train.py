@@ -49,15 +49,37 @@ def _build_filter_and_objective(conf: TrainConfig) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
+def _prepared_records(path: Path, conf: TrainConfig) -> tuple[list[Any], Any]:
+    """Rows of the DVC pipeline's schema (``id``, ``messages``, ``answer``, ``source``)."""
+    from saopd.data.prompts import PromptRecord, load_jsonl
+
+    rows, report = load_jsonl(path, skip_bad=conf.data.skip_bad)
+    records = []
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row.get("messages"), list) or "id" not in row:
+            raise UserError(f"{path}: row {i} lacks 'id' or a 'messages' list "
+                            "(expected the schema of `dvc repro prepare_train`)")
+        records.append(PromptRecord(str(row["id"]), row["messages"], row.get("answer"),
+                                    str(row.get("source", "prepared"))))
+        if conf.data.limit is not None and len(records) >= conf.data.limit:
+            break
+    return records, report
+
+
 def _load_prompts(conf: TrainConfig, tokenizer: Any) -> tuple[list[Any], dict[str, int]]:
     from saopd.data.prompts import filter_long_prompts, gsm8k_records
 
     path = Path(conf.data.path)
     if not path.is_file():
-        raise UserError(f"data.path: no such file {path}")
-    records, report = gsm8k_records(path, system_prompt=conf.data.system_prompt,
-                                    instruction=conf.data.instruction, limit=conf.data.limit,
-                                    skip_bad=conf.data.skip_bad)
+        hint = " (run `make data` / `dvc repro prepare_train`)" if \
+            conf.data.source == "prepared" else ""
+        raise UserError(f"data.path: no such file {path}{hint}")
+    if conf.data.source == "prepared":
+        records, report = _prepared_records(path, conf)
+    else:
+        records, report = gsm8k_records(path, system_prompt=conf.data.system_prompt,
+                                        instruction=conf.data.instruction,
+                                        limit=conf.data.limit, skip_bad=conf.data.skip_bad)
     counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
     max_len = conf.data.max_prompt_length
     if max_len is not None and conf.data.long_prompts != "truncate":

@@ -203,3 +203,21 @@ def test_every_filter_and_objective_trains(make_cfg, overrides: list[str]) -> No
     assert out["steps"] == 1
     assert all(v == v and abs(v) != float("inf") for v in metrics.values())  # no NaN / inf
     assert 0.0 <= metrics["train/filtered_ratio"] <= 1.0
+
+
+def test_training_reads_the_pipelines_prepared_schema(make_cfg, tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "prompt": f"What is {i} + {i}?", "answer": str(2 * i), "source": "toy",
+             "metadata": {}} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train(make_cfg("experiment=tiny", "steps=1", "data=prepared", f"data.path={path}",
+                         "data.max_prompt_length=256", mlflow=False))
+    assert out["data"]["prompts_read"] == 6 and out["steps"] == 1
+
+    path.write_text('{"id": "x", "prompt": "no messages"}\n')
+    from saopd.train import UserError
+
+    with pytest.raises(UserError, match=r"train.jsonl: row 1 lacks 'id' or a 'messages' list"):
+        train(make_cfg("experiment=tiny", "steps=1", "data=prepared", f"data.path={path}",
+                       mlflow=False))
