@@ -171,7 +171,7 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
         run_id = client.create_run(exp_id, run_name=f"eval-{'-'.join(conf.benchmarks)}").info.run_id
     step = summary["step"]
     for name, res in summary["benchmarks"].items():
-        client.log_metric(run_id, f"eval/{name}/avg@{res['k']}", res["score"], step=step)
+        client.log_metric(run_id, f"eval/{name}/avg_at_{res['k']}", res["score"], step=step)
     client.log_metric(run_id, "eval/average", summary["average"], step=step)
     for path in sorted(out_dir.glob("*.json*")):
         client.log_artifact(run_id, str(path), f"eval/step_{step:06d}")

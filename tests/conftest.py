@@ -7,8 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
 from saopd.signals import TokenSignals
+from saopd.train import CONF_DIR
 
 ALL_FIELDS = ("lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher",
               "lp_sampler", "lp_ref", "kl")
@@ -107,3 +110,24 @@ def mask_of(tokens: set[int]) -> list[list[bool]]:
     return [[i in tokens for i in range(7)]]
 
 
+
+
+# ---- saopd-train configs: paths redirected to tmp, MLflow in a tmp SQLite store ---------
+REPO = Path(CONF_DIR).parent
+
+
+def compose_train(tmp: Path, *overrides: str, mlflow: bool = True) -> DictConfig:
+    base = [f"paths.root={REPO}", f"paths.output_dir={tmp / 'run'}"]
+    base.append(f"logger.tracking_uri=sqlite:///{tmp / 'mlflow.db'}" if mlflow else "logger=none")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=[*base, *overrides])
+
+
+@pytest.fixture
+def make_cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., DictConfig]:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def make(*overrides: str, mlflow: bool = True, tmp: Path | None = None) -> DictConfig:
+        return compose_train(tmp or tmp_path, *overrides, mlflow=mlflow)
+
+    return make

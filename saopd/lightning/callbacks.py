@@ -86,8 +86,9 @@ class EvalCallback(L.Callback):
     """Every ``every_n_steps``, Avg@k of the live student on held-out benchmarks.
 
     Uses the same code as ``saopd-eval`` (:func:`saopd.eval.runner.evaluate_benchmark`) with an
-    HF engine on the student; scores go to the trainer's loggers as ``eval/<name>/avg@<k>`` at
-    the step's index, and the per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/``.
+    HF engine on the student; scores go to the trainer's loggers as ``eval/<name>/avg_at_<k>``
+    (MLflow names allow no "@") at the step's index, and the per-sample JSONL to
+    ``<out_dir>/eval/step_XXXXXX/``.
     """
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
@@ -121,7 +122,7 @@ class EvalCallback(L.Callback):
                                      grade_workers=self.grade_workers)
             write_jsonl_atomic(self.out_dir / "eval" / f"step_{step:06d}" / f"{name}.jsonl",
                                res.samples)
-            metrics[f"eval/{name}/avg@{res.k}"] = res.score
+            metrics[f"eval/{name}/avg_at_{res.k}"] = res.score
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         pl_module.last_eval = metrics

@@ -139,7 +139,7 @@ def test_hard_kill_and_resume_equals_a_straight_run(make_cfg, tmp_path: Path) ->
     straight = train(make_cfg(*overrides, tmp=tmp_path / "straight"))
 
     killed = tmp_path / "killed"
-    script = KILL_SCRIPT.format(tests=str(REPO / "tests" / "training"), tmp=str(killed),
+    script = KILL_SCRIPT.format(tests=str(REPO / "tests"), tmp=str(killed),
                                 overrides=overrides)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
