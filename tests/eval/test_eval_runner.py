@@ -1,0 +1,127 @@
+"""saopd-eval and the training-time evaluation: Avg@k arithmetic, files, MLflow, checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from saopd.eval.runner import evaluate_benchmark, load_benchmark
+from saopd.evaluate import CONF_DIR, run_eval
+from saopd.rollout.base import Rollout, RolloutBatch, SamplingParams
+
+REPO = Path(CONF_DIR).parent
+
+
+class ScriptedEngine:
+    """Answers problem i's sample j with the gold when ``right(i, j)``, else with a wrong one."""
+
+    def __init__(self, tokenizer, problems, right) -> None:
+        self.tok, self.problems, self.right = tokenizer, problems, right
+        self.offset = 0
+
+    def generate(self, messages, sampling):
+        batch = RolloutBatch(messages=list(messages))
+        for i, _ in enumerate(messages):
+            gold = self.problems[self.offset + i].answer
+            for j in range(sampling.n):
+                answer = gold if self.right(self.offset + i, j) else f"{gold}1"
+                text = f"Let me think. 2 + 2 = 4. So the answer is \\boxed{{{answer}}}."
+                batch.rollouts.append(Rollout(i, self.tok.encode(text), finished=True))
+        self.offset += len(messages)
+        return batch
+
+    def load_weights(self, named_tensors) -> None:  # pragma: no cover - protocol
+        pass
+
+
+def test_avg_at_k_is_the_mean_per_problem_fraction(qwen_tok) -> None:
+    problems = load_benchmark("gsm8k", REPO / "data", limit=4)
+    # problem 0: 2/2 right, 1: 1/2, 2: 0/2, 3: 1/2 -> Avg@2 = (1 + .5 + 0 + .5) / 4 = 0.5
+    table = {(0, 0), (0, 1), (1, 0), (3, 1)}
+    engine = ScriptedEngine(qwen_tok, problems, lambda i, j: (i, j) in table)
+    res = evaluate_benchmark("gsm8k", problems, engine, qwen_tok, SamplingParams(n=2),
+                             batch_size=3, grade_workers=1)
+    assert res.score == pytest.approx(0.5)
+    assert res.problems == 4 and len(res.samples) == 8
+    by_key = {(s["id"], s["sample"]): s for s in res.samples}
+    assert by_key[(problems[0].id, 1)]["correct"] is True
+    assert by_key[(problems[2].id, 0)]["correct"] is False
+    assert by_key[(problems[0].id, 0)]["extracted"] == problems[0].answer
+
+
+def test_unknown_benchmark_names_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"dvc repro prepare_eval"):
+        load_benchmark("aime24", tmp_path)
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"id": "1", "messages": []}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl: row 1 lacks field\(s\) \['answer'\]"):
+        load_benchmark("x", tmp_path)
+
+
+def compose_eval(tmp: Path, *overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("eval", overrides=[
+            f"data_dir={REPO / 'data' / 'prepared' / 'eval'}", f"output_dir={tmp / 'eval'}",
+            f"tracking_uri=sqlite:///{tmp / 'mlflow.db'}", *overrides])
+
+
+def test_saopd_eval_on_a_tiny_model_writes_samples_and_logs(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose_eval(tmp_path, "model.name_or_path=null", "+model.tiny=qwen3",
+                       "benchmarks=[gsm8k]", "limit=3", "k=2", "max_new_tokens.gsm8k=8",
+                       "grade_workers=1")
+    out = run_eval(cfg)
+    res = out["benchmarks"]["gsm8k"]
+    assert res["problems"] == 3 and res["k"] == 2 and 0.0 <= res["score"] <= 1.0
+    rows = [json.loads(x) for x in Path(res["samples_file"]).read_text().splitlines()]
+    assert len(rows) == 6
+    assert {"id", "sample", "response", "extracted", "correct", "gold"} <= rows[0].keys()
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert saved["benchmarks"]["gsm8k"]["score"] == res["score"]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    history = client.get_metric_history(out["run_id"], "eval/gsm8k/avg_at_2")
+    assert [m.value for m in history] == [res["score"]]
+
+
+def test_eval_of_a_training_checkpoint_loads_the_student(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from conftest import compose_train
+
+    from saopd.evaluate import load_checkpoint_student
+    from saopd.train import train
+
+    summary = train(compose_train(tmp_path, "experiment=tiny", "steps=1", mlflow=False))
+    ckpt = Path(summary["last_checkpoint"])
+    (ckpt.parent.parent / ".hydra").mkdir(exist_ok=True)  # what a Hydra run leaves behind
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(compose_train(tmp_path, "experiment=tiny"), ckpt.parent.parent / ".hydra"
+                   / "config.yaml")
+    model, _, step = load_checkpoint_student(ckpt, None)  # type: ignore[arg-type]
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    for name, value in model.state_dict().items():
+        if f"student.{name}" in state:
+            torch.testing.assert_close(value, state[f"student.{name}"], rtol=0, atol=0)
+    assert step == 1
+
+
+def test_training_time_eval_logs_avg_at_k(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from conftest import compose_train
+
+    from saopd.train import train
+
+    summary = train(compose_train(tmp_path, "experiment=tiny", "steps=2", "eval.every_n_steps=1",
+                                  "eval.limit=2", "eval.max_new_tokens=8"))
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    history = client.get_metric_history(summary["run_id"], "eval/gsm8k/avg_at_1")
+    assert sorted(m.step for m in history) == [0, 1]
+    assert all(0.0 <= m.value <= 1.0 for m in history)
+    assert (Path(summary["output_dir"]) / "eval" / "step_000001" / "gsm8k.jsonl").is_file()
+
