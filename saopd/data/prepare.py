@@ -57,6 +57,8 @@ from typing import Any
 
 import yaml
 
+from saopd.data.jsonl import iter_jsonl_objects
+
 __all__ = [
     "BENCHMARKS",
     "DEEPMATH_COLUMNS",
@@ -342,34 +344,10 @@ def iter_jsonl(
     """Yield ``(line_number, object)`` per non-blank line (1-based; a UTF-8 BOM is dropped).
 
     A line that is not valid UTF-8 or JSON, or not a JSON object, raises
-    ``PrepareError("<name>:<line>: ...")``, or is counted in ``report`` when ``skip_bad``.
+    ``PrepareError("<name>:<line>: ...")``, or is counted in ``report`` when ``skip_bad``
+    (the reader is :func:`saopd.data.jsonl.iter_jsonl_objects`).
     """
-    shown = name or os.fspath(path)
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                report.bad(f"{shown}:{lineno}: not valid UTF-8 ({e.reason})", skip_bad)
-                continue
-            if lineno == 1:
-                text = text.removeprefix("\ufeff")
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                report.bad(
-                    f"{shown}:{lineno}: invalid JSON ({e.msg} at column {e.colno})", skip_bad
-                )
-                continue
-            if not isinstance(obj, dict):
-                report.bad(
-                    f"{shown}:{lineno}: expected a JSON object, got {type(obj).__name__}",
-                    skip_bad,
-                )
-                continue
-            yield lineno, obj
+    return iter_jsonl_objects(path, lambda msg: report.bad(msg, skip_bad), name=name)
 
 
 # ------------------------------------------------------------------------------------ writing

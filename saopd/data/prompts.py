@@ -23,7 +23,6 @@ The vendored GSM8K files live in ``data/gsm8k`` (see its ``PROVENANCE.md``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence, Sized
@@ -35,6 +34,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from saopd.data.contexts import render_prompt_ids
+from saopd.data.jsonl import iter_jsonl_objects
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,32 +96,8 @@ class ReadReport:
 def _iter_jsonl(
     path: PathLike, report: ReadReport, skip_bad: bool
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, object)`` for each non-blank line (1-based line numbers)."""
-    name = os.fspath(path)
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                report._bad(f"{name}:{lineno}: not valid UTF-8 ({e.reason})", skip_bad)
-                continue
-            if lineno == 1:
-                text = text.removeprefix("\ufeff")
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                report._bad(
-                    f"{name}:{lineno}: invalid JSON ({e.msg} at column {e.colno})", skip_bad
-                )
-                continue
-            if not isinstance(obj, dict):
-                report._bad(
-                    f"{name}:{lineno}: expected a JSON object, got {type(obj).__name__}", skip_bad
-                )
-                continue
-            yield lineno, obj
+    """:func:`iter_jsonl_objects` with bad lines raised or counted in ``report``."""
+    return iter_jsonl_objects(path, lambda msg: report._bad(msg, skip_bad))
 
 
 def load_jsonl(
