@@ -259,10 +259,10 @@ def main(cfg: DictConfig) -> None:
         log.error("%s", err)
         print(f"saopd-train: error: {err}", file=sys.stderr)
         sys.exit(2)
-    print(_format_summary(summary, cfg))
+    print(_format_summary(summary))
 
 
-def _format_summary(summary: dict[str, Any], cfg: DictConfig) -> str:
+def _format_summary(summary: dict[str, Any]) -> str:
     m = summary["metrics"]
     lines = [
         f"saopd-train: {summary['steps']} steps in {summary['seconds']} s",

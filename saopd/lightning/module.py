@@ -307,16 +307,18 @@ class OPDModule(L.LightningModule):
             self.clip_gradients(opt, gradient_clip_val=self.optim_cfg.grad_clip,
                                 gradient_clip_algorithm="norm")
         opt.step()
-        self.lr_schedulers().step()
+        scheduler = self.lr_schedulers()
+        lr_used = scheduler.get_last_lr()[0]  # the rate of this step, before the schedule moves
+        scheduler.step()
 
-        self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started)
+        self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started, lr_used)
         self._keep_view(rollouts, ctx, signals, result)
         return loss.detach()
 
     # ---- logging ------------------------------------------------------------------------------
     def _log_step(self, loss: torch.Tensor, signals: TokenSignals, result: FilterResult,
                   objective_metrics: dict[str, torch.Tensor], rollouts: RolloutBatch,
-                  ctx: PairedContextBatch, started: float) -> None:
+                  ctx: PairedContextBatch, started: float, lr: float) -> None:
         m = self.metrics
         lengths = ctx.response_mask.sum(-1).float()
         values: dict[str, torch.Tensor] = {
@@ -334,7 +336,7 @@ class OPDModule(L.LightningModule):
         for key, value in objective_metrics.items():
             if key != "kl_sampled":
                 values[key] = value
-        values["lr"] = torch.tensor(self.lr_schedulers().get_last_lr()[0])
+        values["lr"] = torch.tensor(lr)
         values["step_time"] = m.step("step_time", time.perf_counter() - started)
         bar = {"loss", "flmr"}
         for name, value in values.items():

@@ -221,3 +221,12 @@ def test_training_reads_the_pipelines_prepared_schema(make_cfg, tmp_path: Path) 
     with pytest.raises(UserError, match=r"train.jsonl: row 1 lacks 'id' or a 'messages' list"):
         train(make_cfg("experiment=tiny", "steps=1", "data=prepared", f"data.path={path}",
                        mlflow=False))
+
+
+def test_logged_learning_rate_follows_the_warmup(make_cfg, tmp_path: Path) -> None:
+    # warm-up over 2 steps to lr = 1e-3: the rates used by steps 0, 1, 2 are 5e-4, 1e-3, 1e-3
+    out = train(make_cfg("experiment=tiny", "steps=3", "optim.warmup_steps=2",
+                         tmp=tmp_path / "lr"))
+    client = mlflow.MlflowClient(out["tracking_uri"])
+    lrs = sorted((m.step, m.value) for m in client.get_metric_history(out["run_id"], "train/lr"))
+    assert [round(v, 10) for _, v in lrs] == [5e-4, 1e-3, 1e-3]
