@@ -58,6 +58,7 @@ from typing import Any
 import yaml
 
 from saopd.data.jsonl import iter_jsonl_objects
+from saopd.latex import match_brace
 
 __all__ = [
     "BENCHMARKS",
@@ -143,21 +144,9 @@ def last_boxed(text: str) -> str | None:
     starts = [m.end() for m in re.finditer(r"\\boxed\s*\{", text)]
     if not starts:
         return None
-    start = starts[-1]
-    depth, i = 1, start
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start:i].strip()
-        i += 1
-    return None
+    start = starts[-1]  # just after the opening brace
+    close = match_brace(text, start - 1)
+    return None if close is None else text[start:close].strip()
 
 
 def repair_aime25_problem(problem: str) -> tuple[str, dict[str, int]]:

@@ -69,6 +69,8 @@ from typing import Any, Literal, NamedTuple
 
 from math_verify import parse, verify
 
+from saopd.latex import match_brace
+
 __all__ = [
     "GoldAnswerError",
     "GradeResult",
@@ -132,32 +134,13 @@ _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 _TRAILING_JUNK = " \t\r\n.,;:!*"
 
 
-def _match_brace(text: str, open_idx: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``open_idx`` (escaped ``\\{``/``\\}`` skipped)."""
-    depth = 0
-    i, n = open_idx, len(text)
-    while i < n:
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
-
-
 def _boxed_content(text: str, start: int) -> str | None:
     """Content of the ``\\boxed``/``\\fbox`` command whose name ends at ``start``."""
     i = start
     while i < len(text) and text[i] in " \t":
         i += 1
     if i < len(text) and text[i] == "{":
-        close = _match_brace(text, i)
+        close = match_brace(text, i)
         return None if close is None else text[i + 1 : close]
     if i > start:  # "\boxed 5$" (no braces): up to the closing "$" or the end of the line
         return re.split(r"[$\n]", text[i:], maxsplit=1)[0]
@@ -274,7 +257,7 @@ def _unwrap_text(s: str) -> tuple[str, bool]:
     wrapped = False
     while True:
         m = _TEXT_START_RE.match(s)
-        if m is None or _match_brace(s, m.end()) != len(s) - 1:
+        if m is None or match_brace(s, m.end()) != len(s) - 1:
             return s, wrapped
         s = s[m.end() + 1 : -1].strip()
         wrapped = True
@@ -417,7 +400,7 @@ def _is_explosive(s: str) -> bool:
         if m.group(1) is not None:
             exponent = m.group(1)
         else:
-            close = _match_brace(s, m.end() - 1)
+            close = match_brace(s, m.end() - 1)
             exponent = s[m.end() : close if close is not None else len(s)]
         size = _numeric_size(exponent)
         if size is not None and size >= _HUGE:
