@@ -8,6 +8,7 @@ is kept in a JSONL (problem id, sample index, response, extracted answer, correc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,8 +94,7 @@ def evaluate_benchmark(
         part = problems[start:start + batch_size]
         batch_sampling = sampling
         if sampling.seed is not None:  # distinct, reproducible draws per batch
-            batch_sampling = SamplingParams(**{**sampling.__dict__,
-                                               "seed": sampling.seed + start})
+            batch_sampling = dataclasses.replace(sampling, seed=sampling.seed + start)
         rollouts = engine.generate([p.messages for p in part], batch_sampling)
         counters: dict[int, int] = {}
         for r in rollouts.rollouts:

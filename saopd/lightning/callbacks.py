@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,7 @@ class RolloutCallback(L.Callback):
         pl_module.step_started = time.perf_counter()
         sampling = self.sampling
         if sampling.seed is not None:
-            sampling = SamplingParams(**{**sampling.__dict__,
-                                         "seed": sampling.seed + trainer.global_step})
+            sampling = dataclasses.replace(sampling, seed=sampling.seed + trainer.global_step)
         pl_module.pending_rollouts = self.engine.generate(batch["messages"], sampling)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,

@@ -86,9 +86,9 @@ class PromptDataModule(L.LightningDataModule):
                 "num_prompts": len(self.records)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        current = self.state_dict()
         for key, value in state.items():
-            mine = {"seed": self.seed, "prompts_per_step": self.prompts_per_step,
-                    "num_prompts": len(self.records)}[key]
+            mine = current[key]
             if mine != value:
                 raise ValueError(
                     f"cannot resume: the checkpoint's data has {key}={value} but this run has "

@@ -21,7 +21,7 @@ or scaling) fall back to their full logits, gathered at the response positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,8 +49,7 @@ class ScoringNeeds:
     @classmethod
     def from_fields(cls, *field_lists: tuple[str, ...]) -> ScoringNeeds:
         names = {name for fields in field_lists for name in fields}
-        known = {"lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher", "kl",
-                 "lp_ref", "lp_sampler"}
+        known = {f.name for f in fields(TokenSignals)} - {"lp_student", "lp_teacher", "valid"}
         unknown = names - known
         if unknown:
             raise ValueError(f"unknown TokenSignals fields requested: {sorted(unknown)}")
