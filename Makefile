@@ -5,6 +5,7 @@ VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup run test lint data bench-filter bench-scoring
+.PHONY: browser
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -41,3 +42,15 @@ bench-scoring: setup
 # The main job: the default experiment (smollm2_gsm8k), offline on CPU.
 run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
+
+# Headless Chromium (Debian's `chromium`, with fonts for screenshots) for the browser test of the
+# report page, tests/report/test_report_browser.py, which skips without it. Uses sudo when not root.
+browser:
+	@if [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1; then \
+	  echo "chromium is installed: $$(command -v chromium || echo /usr/bin/chromium)"; \
+	else \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); \
+	  $$SUDO apt-get update && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+	    chromium fonts-dejavu-core fonts-liberation; \
+	fi

@@ -7,6 +7,9 @@ token shows ``token | A_full | A_res | gap | filtered`` with the input-grounding
 |A_full - A_res| (Eq. 14). A header gives the step, the filter and batch statistics (FLMR of
 Eq. 17, filtered ratio, mean gap over filtered vs kept tokens).
 
+With ``annotate=True`` the two values are also printed under every token, as in the paper's
+Appendix E figures: ``F`` = A_full and ``Δ`` = the grounding gap.
+
 Colours: red = A_full > 0 (the student gives the sampled token more probability than the teacher:
 the teacher prefers it less, the student is over-confident), blue = A_full < 0 (the teacher
 prefers it more). Saturation grows with |A_full| up to ``vmax``.
@@ -75,6 +78,8 @@ class TokenRow:
         a_full: A_full = lpS - lpT per token (Eq. 12).
         a_res: A_res = lpS_res - lpT_res per token (Eq. 13), ``None`` without a residual pass.
         filtered: True = the token is in F (removed from the loss), False = kept.
+        entropy_student: full-vocabulary student entropy H_S per token (nats), ``None`` when the
+            step did not compute it (only filters/objectives that need it do).
     """
 
     prompt: str
@@ -82,12 +87,15 @@ class TokenRow:
     a_full: list[float]
     a_res: list[float] | None
     filtered: list[bool]
+    entropy_student: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
         lengths = {"a_full": len(self.a_full), "filtered": len(self.filtered)}
         if self.a_res is not None:
             lengths["a_res"] = len(self.a_res)
+        if self.entropy_student is not None:
+            lengths["entropy_student"] = len(self.entropy_student)
         bad = {k: v for k, v in lengths.items() if v != n}
         if bad:
             raise ValueError(f"TokenRow has {n} tokens but field lengths {bad}")
@@ -127,7 +135,8 @@ def _decode_tokens(tokenizer: Any, ids: list[int]) -> list[str]:
 
 def token_rows_from_batch(tokenizer: Any, prompts: list[str], response_ids: Any, valid: Any,
                           a_full: Any, a_res: Any | None, filtered: Any,
-                          max_rows: int = 8) -> list[TokenRow]:
+                          max_rows: int | None = 8,
+                          entropy_student: Any | None = None) -> list[TokenRow]:
     """The first ``max_rows`` responses of a batch as :class:`TokenRow` s.
 
     Args:
@@ -139,13 +148,17 @@ def token_rows_from_batch(tokenizer: Any, prompts: list[str], response_ids: Any,
         a_full: float [B, R], A_full (Eq. 12), e.g. ``TokenSignals.a_full``.
         a_res: float [B, R], A_res (Eq. 13), or ``None``.
         filtered: bool [B, R], True = in F (``FilterResult.filtered``); read only where valid.
-        max_rows: how many responses to keep (from the start of the batch).
+        max_rows: how many responses to keep (from the start of the batch); ``None``: all.
+        entropy_student: float [B, R], student entropy H_S (``TokenSignals.entropy_student``),
+            or ``None``.
     """
     ids_rows = _as_rows("response_ids", response_ids)
     tables = {"valid": _as_rows("valid", valid), "a_full": _as_rows("a_full", a_full),
               "filtered": _as_rows("filtered", filtered)}
     if a_res is not None:
         tables["a_res"] = _as_rows("a_res", a_res)
+    if entropy_student is not None:
+        tables["entropy_student"] = _as_rows("entropy_student", entropy_student)
     shape = (len(ids_rows), len(ids_rows[0]) if ids_rows else 0)
     for name, table in tables.items():
         got = (len(table), len(table[0]) if table else 0)
@@ -155,14 +168,21 @@ def token_rows_from_batch(tokenizer: Any, prompts: list[str], response_ids: Any,
         raise ValueError(f"got {len(prompts)} prompts for a batch of {shape[0]} responses")
 
     rows = []
-    for b in range(min(shape[0], max(max_rows, 0))):
+    n_rows = shape[0] if max_rows is None else min(shape[0], max(max_rows, 0))
+    for b in range(n_rows):
         cols = [t for t in range(shape[1]) if tables["valid"][b][t]]
+
+        def floats(name: str, b: int = b, cols: list[int] = cols) -> list[float] | None:
+            table = tables.get(name)
+            return None if table is None else [float(table[b][t]) for t in cols]
+
         rows.append(TokenRow(
             prompt=prompts[b],
             tokens=_decode_tokens(tokenizer, [int(ids_rows[b][t]) for t in cols]),
-            a_full=[float(tables["a_full"][b][t]) for t in cols],
-            a_res=[float(tables["a_res"][b][t]) for t in cols] if a_res is not None else None,
+            a_full=floats("a_full") or [],
+            a_res=floats("a_res"),
             filtered=[bool(tables["filtered"][b][t]) for t in cols],
+            entropy_student=floats("entropy_student"),
         ))
     return rows
 
@@ -176,7 +196,8 @@ def token_rows_from_signals(tokenizer: Any, prompts: list[str], response_ids: An
     """
     a_res = signals.a_res if signals.has_residual else None
     return token_rows_from_batch(tokenizer, prompts, response_ids, signals.valid,
-                                 signals.a_full, a_res, result.filtered, max_rows=max_rows)
+                                 signals.a_full, a_res, result.filtered, max_rows=max_rows,
+                                 entropy_student=signals.entropy_student)
 
 
 # ---- statistics -------------------------------------------------------------------------------
@@ -232,14 +253,17 @@ def _colour(a: float, vmax: float) -> tuple[str, bool]:
     return "#{:02x}{:02x}{:02x}".format(*rgb), s > _LIGHT_TEXT_ABOVE
 
 
-def _token_html(text: str) -> str:
-    """Escaped token text with newlines as ``↵<br>`` and control characters made visible."""
+def _token_html(text: str, breaks: bool = True) -> str:
+    """Escaped token text with newlines as ``↵<br>`` and control characters made visible.
+
+    ``breaks=False`` leaves out the ``<br>`` (the annotated view puts it after the token box).
+    """
     if text == "":
         return f'<span class="empty">{EMPTY_TOKEN_MARK}</span>'
     out = []
     for ch in text:
         if ch == "\n":
-            out.append(f"{NEWLINE_MARK}<br>")
+            out.append(f"{NEWLINE_MARK}<br>" if breaks else NEWLINE_MARK)
         elif ch == "\r":
             out.append(CARRIAGE_RETURN_MARK)
         elif ch != "\t" and (ord(ch) < 32 or ord(ch) == 127):
@@ -320,12 +344,18 @@ margin:.3em 0 .6em;font-size:.85em;color:#444;font-family:ui-monospace,monospace
 .flt,.flt-sample{outline:2px solid #111;outline-offset:-1px}
 .flt-sample{padding:0 .2em}
 .empty{color:#999}
+.resp.annotated{line-height:1.25}
+.tok.ann{display:inline-flex;flex-direction:column;align-items:center;vertical-align:top;
+margin:1px 1px 3px;padding:0 2px}
+.tok.ann .tt{white-space:pre}
+.tok.ann .av{font-size:.62em;line-height:1.15;opacity:.85;white-space:nowrap}
 """
 
 
 def render_token_view(rows: list[TokenRow], *, title: str, stats: dict[str, float] | None = None,
                       step: int | None = None, filter_name: str | None = None,
-                      vmax: float | None = None, max_prompt_chars: int = 400) -> str:
+                      vmax: float | None = None, max_prompt_chars: int = 400,
+                      annotate: bool = False) -> str:
     """Render rows as one self-contained HTML page (inline CSS, no scripts or external assets).
 
     Args:
@@ -338,12 +368,21 @@ def render_token_view(rows: list[TokenRow], *, title: str, stats: dict[str, floa
         filter_name: filter shown in the header (e.g. ``"sa_opd"``).
         vmax: |A_full| at which colours saturate; default: 95th percentile over the shown tokens.
         max_prompt_chars: prompts longer than this are cut in the middle.
+        annotate: also print each token's two values under it, as the paper's Appendix E
+            figures do: ``F`` = A_full and ``Δ`` = the grounding gap |A_full - A_res| (``Δ n/a``
+            without a residual pass). The token becomes a small box
+            (``class="tok ann"``, text in ``.tt``, values in ``.av``); a newline token shows
+            ``↵`` in its box and the line break follows the box.
 
     Every valid token is one ``<span class="tok">`` (``class="tok flt"`` when filtered), with a
-    ``title`` attribute ``token | A_full | A_res | gap | filtered``.
+    ``title`` attribute ``token | A_full | A_res | gap | filtered``, followed by
+    `` | H_S <entropy>`` when the row carries the student entropy.
     """
     vmax = float(vmax) if vmax is not None and vmax > 0 else _auto_vmax(rows)
     header = [f"<h1>{html.escape(title)}</h1>"]
+    if annotate:
+        header.append('<div class="meta">under each token: F = A<sub>full</sub>, '
+                      '&Delta; = grounding gap |A<sub>full</sub> &minus; A<sub>res</sub>|</div>')
     meta = []
     if step is not None:
         meta.append(f"step <b>{html.escape(str(step))}</b>")
@@ -377,15 +416,25 @@ def render_token_view(rows: list[TokenRow], *, title: str, stats: dict[str, floa
             g = "n/a" if gap is None else f"{gap[t]:.3f}"
             flag = "filtered" if row.filtered[t] else "kept"
             tip = f"{text!r} | A_full {a:+.3f} | A_res {a_res} | gap {g} | {flag}"
+            if row.entropy_student is not None:
+                tip += f" | H_S {row.entropy_student[t]:.3f}"
             cls = "tok flt" if row.filtered[t] else "tok"
             style = f"background:{bg}" + (";color:#fff" if light else "")
-            spans.append(f'<span class="{cls}" style="{style}" '
-                         f'title="{html.escape(tip, quote=True)}">{_token_html(text)}</span>')
+            attrs = f'style="{style}" title="{html.escape(tip, quote=True)}"'
+            if annotate:
+                values = f"F {a:+.2f}<br>&Delta; " + ("n/a" if gap is None else f"{gap[t]:.2f}")
+                spans.append(f'<span class="{cls} ann" {attrs}>'
+                             f'<span class="tt">{_token_html(text, breaks=False)}</span>'
+                             f'<span class="av">{values}</span></span>'
+                             + "<br>" * text.count("\n"))
+            else:
+                spans.append(f'<span class="{cls}" {attrs}>{_token_html(text)}</span>')
+        resp_cls = "resp annotated" if annotate else "resp"
         body.append(
             '<section class="row">'
             f"<h2>{summary}</h2>"
             f'<div class="prompt">{html.escape(_truncate(row.prompt, max_prompt_chars))}</div>'
-            f'<div class="resp">{"".join(spans)}</div>'
+            f'<div class="{resp_cls}">{"".join(spans)}</div>'
             "</section>"
         )
 

@@ -41,45 +41,70 @@ class RolloutCallback(L.Callback):
 
 
 class TokenViewCallback(L.Callback):
-    """Every ``every_n_steps``, renders the last step's responses as an HTML page.
+    """Every ``every_n_steps``, renders the last step's responses as an HTML page and saves them.
 
     Each response token is coloured by A_full, with its grounding gap in the tooltip, and the
     tokens SA-OPD filtered are outlined (the paper's Appendix E view). Pages are written to
     ``<out_dir>/token_view/step_XXXXXX.html`` (the 0-based step index that its metrics carry in
     MLflow) and logged to MLflow when an MLflow logger is used.
+
+    With ``save_records`` (default), the same step's per-token data (every response of the
+    batch, or the first ``record_rows``: ids, token texts, A_full, A_res, filtered, and the
+    student entropy when the step computed it) goes to
+    ``<out_dir>/token_records/step_XXXXXX.jsonl.gz`` (:mod:`saopd.analysis.token_records`) and to
+    MLflow under ``token_records/``, for offline token statistics (the paper's Table 4) and
+    entropy plots (Figure 3b). A separate folder keeps ``token_view/`` to one page per step.
     """
 
-    def __init__(self, every_n_steps: int, out_dir: str | Path, max_rows: int = 8) -> None:
+    def __init__(self, every_n_steps: int, out_dir: str | Path, max_rows: int = 8, *,
+                 save_records: bool = True, record_rows: int | None = None) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.every_n_steps = every_n_steps
         self.out_dir = Path(out_dir)
         self.max_rows = max_rows
+        self.save_records = save_records
+        self.record_rows = record_rows
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         view = getattr(pl_module, "last_view", None)
         done = trainer.global_step  # optimizer steps done, this one included
-        if view is None or done % self.every_n_steps != 0:
-            return
+        if view is None or done % self.every_n_steps != 0 or not trainer.is_global_zero:
+            return  # data-parallel: rank 0 writes its rows (other ranks would race on the files)
         step = done - 1  # the step index its metrics are logged under (0-based)
+        from saopd.analysis.token_records import (
+            prompt_text,
+            record_path,
+            save_step_record,
+            step_record_from_view,
+        )
         from saopd.analysis.token_view import render_token_view, token_rows_from_batch
 
         tok = pl_module.tokenizer
-        prompts = [m[-1]["content"] if m else "" for m in view["messages"]]
+        prompts = [prompt_text(m) for m in view["messages"]]
         rows = token_rows_from_batch(tok, prompts, view["response_ids"], view["valid"],
                                      view["a_full"], view["a_res"], view["filtered"],
-                                     max_rows=self.max_rows)
+                                     max_rows=self.max_rows,
+                                     entropy_student=view.get("entropy_student"))
         html = render_token_view(rows, title=f"step {step}: filter "
                                  f"{pl_module.token_filter.name}", stats=view["stats"])
         path = self.out_dir / "token_view" / f"step_{step:06d}.html"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(html, encoding="utf-8")
+        files = [(path, "token_view")]
+        if self.save_records:
+            record = step_record_from_view(view, tok, step=step,
+                                           filter_name=pl_module.token_filter.name,
+                                           max_rows=self.record_rows)
+            files.append((save_step_record(record, record_path(
+                self.out_dir / "token_records", step)), "token_records"))
         from lightning.pytorch.loggers import MLFlowLogger
 
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
-                logger.experiment.log_artifact(logger.run_id, str(path), "token_view")
+                for local, folder in files:
+                    logger.experiment.log_artifact(logger.run_id, str(local), folder)
 
 
 class EvalCallback(L.Callback):

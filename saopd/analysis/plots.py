@@ -1,0 +1,209 @@
+"""Figures of the paper's analyses: training dynamics (Figure 4), entropy of filtered tokens
+(Figure 3b).
+
+Every function returns a ``matplotlib.figure.Figure`` built without pyplot (no global state,
+no GUI backend needed: headless CI renders with Agg); :func:`save_figure` writes it as PNG, and a
+notebook shows it by leaving it as a cell's value.
+
+Inputs are pandas frames: metric histories in long format (``run_id``, ``key``, ``step``,
+``value``; :func:`saopd.analysis.runs.metric_histories`) and per-token frames
+(:func:`saopd.analysis.token_stats.token_frame`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+__all__ = [
+    "ENTROPY_METRICS",
+    "FLMR_METRIC",
+    "LOSS_METRIC",
+    "entropy_distribution_figure",
+    "entropy_over_steps_figure",
+    "figure_png",
+    "loss_change",
+    "save_figure",
+    "training_dynamics_figure",
+]
+
+LOSS_METRIC = "train/loss"
+FLMR_METRIC = "train/flmr"
+ENTROPY_METRICS = ("train/entropy_student_filtered", "train/entropy_student_kept")
+"""Per-step mean student entropy H_S over the filtered set F and over the kept tokens V \\ F.
+Training logs them when the step computes H_S (see the README, "Reports and analysis")."""
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 150) -> Path:
+    """Write ``fig`` as PNG (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, format="png", bbox_inches="tight")
+    return path
+
+
+def figure_png(fig: Figure, *, dpi: int = 110) -> bytes:
+    """``fig`` as PNG bytes (for ``IPython.display.Image`` whatever matplotlib backend is set)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _series(histories: pd.DataFrame, run_id: str, key: str) -> pd.Series:
+    h = histories[(histories["run_id"] == run_id) & (histories["key"] == key)]
+    return h.set_index("step")["value"].sort_index()
+
+
+def _require(histories: pd.DataFrame, keys: Sequence[str], what: str) -> None:
+    need = {"run_id", "key", "step", "value"}
+    if not need <= set(histories.columns):
+        raise ValueError(f"metric histories need columns {sorted(need)}, got "
+                         f"{sorted(histories.columns)}")
+    have = set(histories["key"])
+    missing = [k for k in keys if k not in have]
+    if missing:
+        raise ValueError(f"{what}: no run logged {', '.join(missing)}")
+
+
+def loss_change(loss: pd.Series) -> pd.Series:
+    """|L_t - L_{t-1}| of a loss history indexed by step (the first step has none)."""
+    return loss.sort_index().diff().abs().dropna()
+
+
+def _smooth(values: pd.Series, window: int) -> pd.Series:
+    return values if window <= 1 else values.rolling(window, min_periods=1).mean()
+
+
+def _run_label(labels: Mapping[str, str] | None, run_id: str) -> str:
+    return labels.get(run_id, run_id[:8]) if labels else run_id[:8]
+
+
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _run_styles(histories: pd.DataFrame, labels: Mapping[str, str] | None,
+                groups: Mapping[str, str] | None) -> list[tuple[str, dict[str, str]]]:
+    """Runs in legend order (the order of ``labels``, then the rest) with their line styles:
+    one colour per group (default: per run), line styles cycling within a group."""
+    present = list(dict.fromkeys(histories["run_id"]))
+    order = [r for r in (labels or {}) if r in present]
+    order += [r for r in present if r not in order]
+    colours: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    out = []
+    for run_id in order:
+        group = (groups or {}).get(run_id, run_id)
+        colours.setdefault(group, f"C{len(colours) % 10}")
+        n = seen[group] = seen.get(group, -1) + 1
+        out.append((run_id, {"color": colours[group],
+                             "linestyle": _LINESTYLES[n % len(_LINESTYLES)]}))
+    return out
+
+
+def training_dynamics_figure(histories: pd.DataFrame, labels: Mapping[str, str] | None = None,
+                             *, groups: Mapping[str, str] | None = None, smooth: int = 1,
+                             title: str | None = None) -> Figure:
+    """Figure 4: per run, the absolute change of the distillation loss between consecutive
+    steps, |L_t - L_{t-1}| (``train/loss``), and FLMR (Eq. 17, ``train/flmr``) over steps.
+
+    Args:
+        histories: long metric histories holding ``train/loss`` and ``train/flmr``.
+        labels: legend label per run id (default: the id's first 8 characters); its order is
+            the legend's.
+        groups: a group per run id (e.g. its method): runs of a group share a colour and differ
+            in line style (seeds); default: a colour per run.
+        smooth: trailing moving-average window (steps) applied to both curves (1: none).
+        title: figure title.
+
+    Raises ``ValueError`` naming the metric when no run logged one of them.
+    """
+    _require(histories, (LOSS_METRIC, FLMR_METRIC), "training dynamics")
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    ax_loss, ax_flmr = fig.subplots(1, 2)
+    for run_id, style in _run_styles(histories, labels, groups):
+        label = _run_label(labels, run_id)
+        change = loss_change(_series(histories, run_id, LOSS_METRIC))
+        if len(change):
+            ax_loss.plot(change.index, _smooth(change, smooth), label=label, lw=1.4, **style)
+        flmr = _series(histories, run_id, FLMR_METRIC)
+        if len(flmr):
+            ax_flmr.plot(flmr.index, _smooth(flmr, smooth), label=label, lw=1.4, **style)
+    ax_loss.set(xlabel="step", ylabel="|ΔL| (distillation loss change)",
+                title="Distillation-loss change")
+    ax_flmr.set(xlabel="step", ylabel="FLMR", title="Filtered loss-mass ratio")
+    for ax in (ax_loss, ax_flmr):
+        ax.grid(alpha=0.3)
+    handles, names = ax_flmr.get_legend_handles_labels()
+    if not handles:
+        handles, names = ax_loss.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="outside right upper", fontsize="small")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def entropy_distribution_figure(tokens: pd.DataFrame, *, bins: int = 40,
+                                title: str | None = None) -> Figure:
+    """Figure 3b: the distribution of the student entropy H_S over filtered vs kept tokens.
+
+    Args:
+        tokens: one row per token with ``entropy_student`` (nats) and ``filtered`` (bool),
+            e.g. :func:`saopd.analysis.token_stats.token_frame` of token records.
+        bins: histogram bins (shared by both groups); each histogram is a density.
+        title: axes title.
+
+    Raises ``ValueError`` when there is no entropy or no filtered/kept token to compare.
+    """
+    if "entropy_student" not in tokens.columns or tokens["entropy_student"].isna().all():
+        raise ValueError("entropy distribution: the tokens carry no student entropy "
+                         "(entropy_student); the training step must compute H_S (see README)")
+    data = tokens.dropna(subset=["entropy_student"])
+    filtered = data.loc[data["filtered"].astype(bool), "entropy_student"].to_numpy(float)
+    kept = data.loc[~data["filtered"].astype(bool), "entropy_student"].to_numpy(float)
+    if not len(filtered) or not len(kept):
+        raise ValueError(f"entropy distribution: {len(filtered)} filtered and {len(kept)} kept "
+                         "tokens; both groups are needed")
+    lo, hi = float(min(filtered.min(), kept.min())), float(max(filtered.max(), kept.max()))
+    edges = np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+    fig = Figure(figsize=(5.5, 3.6), layout="constrained")
+    ax = fig.subplots()
+    ax.hist(kept, bins=edges, density=True, alpha=0.55, color="#4c72b0",
+            label=f"kept (n={len(kept)}, mean {kept.mean():.2f})")
+    ax.hist(filtered, bins=edges, density=True, alpha=0.65, color="#c44e52",
+            label=f"filtered (n={len(filtered)}, mean {filtered.mean():.2f})")
+    ax.set(xlabel="student entropy H_S (nats)", ylabel="density",
+           title=title or "Entropy of filtered vs kept tokens")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def entropy_over_steps_figure(histories: pd.DataFrame, labels: Mapping[str, str] | None = None,
+                              *, title: str | None = None) -> Figure:
+    """Mean student entropy of filtered (dashed) vs kept (solid) tokens per step, per run,
+    from the metrics :data:`ENTROPY_METRICS`.
+
+    Raises ``ValueError`` naming the metrics when no run logged them.
+    """
+    _require(histories, ENTROPY_METRICS, "entropy over steps")
+    fig = Figure(figsize=(6.5, 3.6), layout="constrained")
+    ax = fig.subplots()
+    for i, (run_id, _) in enumerate(_run_styles(histories, labels, None)):
+        label = _run_label(labels, run_id)
+        for key, style, part in ((ENTROPY_METRICS[1], "-", "kept"),
+                                 (ENTROPY_METRICS[0], "--", "filtered")):
+            s = _series(histories, run_id, key)
+            if len(s):
+                ax.plot(s.index, s.values, style, color=f"C{i % 10}", lw=1.4,
+                        label=f"{label}: {part}")
+    ax.set(xlabel="step", ylabel="mean H_S (nats)",
+           title=title or "Student entropy: filtered vs kept")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,383 @@
+"""Reading training and evaluation runs back from MLflow into pandas frames.
+
+One row per run (:func:`load_runs`), in the column layout of ``mlflow.search_runs``:
+``run_id``, ``run_name``, ``experiment``, ``status``, ``start_time`` plus ``params.<key>``,
+``tags.<key>`` and ``metrics.<key>`` (the latest value of each metric, i.e. the value at its
+highest step). Runs are chosen by experiment name(s), tags (``study=...``, ``sweep=...``, the
+run tags ``filter``/``objective``/``seed`` that ``saopd-train`` sets) and/or run ids.
+
+A run's *method* (a row of the paper's tables) comes from :func:`method_labels`: the run's
+``method`` tag when set (``logger.tags.method=...``), else a name from its filter and objective
+(``filter=none, objective=sampled`` -> ``OPD``, ``sa_opd`` -> ``SA-OPD``, ...) with the
+``filter.*``/``objective.*`` params that differ between runs of that name appended, so that
+``SA-OPD (beta_max=0.018)`` and ``SA-OPD (beta_max=None)`` stay apart. Runs of one method that
+differ only in the seed are its seeds.
+
+Scores: every metric ``eval/<benchmark>/avg_at_<k>`` (what ``saopd-eval`` and the training's
+``EvalCallback`` log, as fractions in [0, 1]) is one benchmark column (:func:`benchmark_columns`);
+the value used is the run's latest (highest-step) one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+__all__ = [
+    "BASELINE_LABEL",
+    "METHOD_ORDER",
+    "BenchmarkColumn",
+    "NoRunsError",
+    "RunQuery",
+    "benchmark_columns",
+    "column_label",
+    "download_token_records",
+    "load_runs",
+    "method_labels",
+    "method_name",
+    "metric_histories",
+    "mlflow_client",
+    "resolve_tracking_uri",
+    "run_seeds",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EVAL_METRIC = re.compile(r"^eval/(?P<bench>[^/]+)/avg_at_(?P<k>\d+)$")
+BASELINE_LABEL = "OPD"
+"""The label of vanilla OPD (``filter=none``, ``objective=sampled``): the gain column's base."""
+
+FILTER_LABELS: dict[str, str | None] = {
+    "none": None,
+    "sa_opd": "SA-OPD",
+    "random": "Random Filter",
+    "divergence_only": "Divergence-only Filter",
+    "ig_only": "Input-Groundedness-only Filter",
+    "proxy_replacement": "Proxy Replacement",
+    "tip": "TIP",
+    "fire": "FiRe-OPD",
+}
+"""Paper names of the registered filters (``None``: no filter, the objective names the row)."""
+
+OBJECTIVE_LABELS: dict[str, str | None] = {"sampled": None, "full_kl": "full KL",
+                                           "exopd": "ExOPD"}
+"""Paper names of the objectives (``None``: the default sampled OPD objective)."""
+
+METHOD_ORDER = ("OPD", "ExOPD", "FiRe-OPD", "TIP", "Random Filter", "Divergence-only Filter",
+                "Input-Groundedness-only Filter", "Proxy Replacement", "SA-OPD")
+"""Row order of the paper's Tables 2 and 3: baselines, ablations, SA-OPD last."""
+
+BENCHMARK_LABELS: dict[str, str] = {
+    "math500": "Math500", "amc23": "AMC23", "aime25": "AIME25", "aime24": "AIME24",
+    "minerva_math": "Minerva", "gsm8k": "GSM8K", "evochart": "EvoChart",
+    "mmifeval": "MMIFEval", "countqa": "CountQA", "mathvision": "MathVision",
+    "geo3k": "Geo3K", "mathvista": "MathVista",
+}
+"""Column headers of known benchmarks, in the paper's column order (others follow, sorted)."""
+
+
+class NoRunsError(ValueError):
+    """No run matched the query, or the runs lack what was asked for (message says which)."""
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """Which runs to read.
+
+    Attributes:
+        experiments: MLflow experiment names (all experiments when empty and tags/run ids are
+            given).
+        tags: ``{tag: value}`` every run must carry (``study``, ``sweep``, ``filter``, ...).
+        run_ids: explicit runs: alone, they are the selection; with experiments or tags, the
+            runs those select are narrowed to these ids.
+        statuses: run statuses kept (``FINISHED``, ``RUNNING``, ``FAILED``, ``KILLED``);
+            ``None``: all.
+    """
+
+    experiments: tuple[str, ...] = ()
+    tags: Mapping[str, str] = field(default_factory=dict)
+    run_ids: tuple[str, ...] = ()
+    statuses: tuple[str, ...] | None = ("FINISHED", "RUNNING")
+
+    def describe(self) -> str:
+        parts = []
+        if self.experiments:
+            parts.append("experiments " + ", ".join(repr(e) for e in self.experiments))
+        if self.tags:
+            parts.append("tags " + ", ".join(f"{k}={v}" for k, v in self.tags.items()))
+        if self.run_ids:
+            parts.append("run ids " + ", ".join(self.run_ids))
+        if self.statuses is not None:
+            parts.append("status " + "/".join(self.statuses))
+        return "; ".join(parts) or "(everything)"
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """``uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo root>/mlflow.db`` (where
+    ``saopd-train`` logs by default, :func:`saopd.tracking.default_tracking_uri`)."""
+    if uri:
+        return uri
+    # the same as saopd.tracking.default_tracking_uri(REPO_ROOT), without importing Lightning
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT.as_posix()}/mlflow.db"
+
+
+def mlflow_client(client_or_uri: Any) -> Any:
+    """An ``MlflowClient``: ``client_or_uri`` itself, or one on that URI (``None``:
+    :func:`resolve_tracking_uri`)."""
+    if client_or_uri is None or isinstance(client_or_uri, str):
+        from mlflow import MlflowClient
+
+        return MlflowClient(resolve_tracking_uri(client_or_uri))
+    return client_or_uri
+
+
+def _quote(value: str) -> str:
+    if "'" not in value:
+        return f"'{value}'"
+    if '"' not in value:
+        return f'"{value}"'
+    raise ValueError(f"tag value {value!r} has both quote characters; MLflow cannot filter on it")
+
+
+def _filter_string(tags: Mapping[str, str]) -> str:
+    return " and ".join(f"tags.`{k}` = {_quote(str(v))}" for k, v in tags.items())
+
+
+def load_runs(client_or_uri: Any, query: RunQuery) -> pd.DataFrame:
+    """The runs selected by ``query`` as a frame, one row per run, oldest first.
+
+    ``client_or_uri``: an ``MlflowClient``, a tracking URI, or ``None``
+    (:func:`resolve_tracking_uri`). Raises :class:`NoRunsError` naming the query when no run
+    matches (and the experiments that exist when a name is unknown).
+    """
+    from mlflow.entities import ViewType
+
+    client = mlflow_client(client_or_uri)
+    if not (query.experiments or query.tags or query.run_ids):
+        raise NoRunsError("say which runs: give experiment name(s), tags or run ids")
+    experiments = {e.experiment_id: e.name for e in
+                   client.search_experiments(view_type=ViewType.ACTIVE_ONLY)}
+    if query.experiments:
+        by_name = {name: eid for eid, name in experiments.items()}
+        unknown = [e for e in query.experiments if e not in by_name]
+        if unknown:
+            raise NoRunsError(
+                f"no MLflow experiment named {', '.join(map(repr, unknown))} in this store; "
+                f"experiments: {', '.join(sorted(map(repr, by_name))) or 'none'}")
+        ids = [by_name[e] for e in query.experiments]
+    else:
+        ids = list(experiments)
+    runs: list[Any] = []
+    if query.experiments or query.tags:
+        filter_string = _filter_string(query.tags)
+        token = None
+        while ids:
+            page = client.search_runs(ids, filter_string=filter_string,
+                                      run_view_type=ViewType.ACTIVE_ONLY, max_results=1000,
+                                      order_by=["attributes.start_time ASC"], page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                break
+        if query.run_ids:
+            wanted = set(query.run_ids)
+            runs = [r for r in runs if r.info.run_id in wanted]
+    else:
+        from mlflow.exceptions import MlflowException
+
+        for run_id in query.run_ids:
+            try:
+                runs.append(client.get_run(run_id))
+            except MlflowException as err:
+                raise NoRunsError(f"no MLflow run {run_id!r}: {err.message}") from None
+    if query.statuses is not None:
+        runs = [r for r in runs if r.info.status in query.statuses]
+    if not runs:
+        uri = getattr(client, "tracking_uri", "?")
+        raise NoRunsError(f"no MLflow runs match {query.describe()} (tracking URI {uri})")
+    rows = [_run_row(r, experiments.get(r.info.experiment_id, r.info.experiment_id))
+            for r in runs]
+    frame = pd.DataFrame(rows)
+    return frame.sort_values("start_time", kind="stable").reset_index(drop=True)
+
+
+def _run_row(run: Any, experiment: str) -> dict[str, Any]:
+    info, data = run.info, run.data
+    row: dict[str, Any] = {
+        "run_id": info.run_id, "run_name": info.run_name, "experiment_id": info.experiment_id,
+        "experiment": experiment, "status": info.status,
+        "start_time": pd.to_datetime(info.start_time, unit="ms", utc=True),
+        "artifact_uri": info.artifact_uri,
+    }
+    row.update({f"params.{k}": v for k, v in data.params.items()})
+    row.update({f"tags.{k}": v for k, v in data.tags.items() if not k.startswith("mlflow.")})
+    row.update({f"metrics.{k}": float(v) for k, v in data.metrics.items()})
+    return row
+
+
+def _get(frame: pd.DataFrame, column: str) -> pd.Series:
+    if column in frame.columns:
+        return frame[column]
+    return pd.Series([None] * len(frame), index=frame.index, dtype=object)
+
+
+def _first(*values: Any) -> Any:
+    for v in values:
+        if v is not None and not (isinstance(v, float) and pd.isna(v)):
+            return v
+    return None
+
+
+def method_name(filter_name: str | None, objective: str | None) -> str:
+    """The paper's name for a filter/objective pair (``none``/``sampled`` -> ``OPD``)."""
+    f = FILTER_LABELS.get(filter_name, filter_name) if filter_name else None
+    objective = objective or "sampled"
+    o = OBJECTIVE_LABELS.get(objective, objective)
+    if f is None:
+        if objective == "exopd":
+            return "ExOPD"
+        return BASELINE_LABEL if o is None else f"{BASELINE_LABEL} ({o})"
+    return f if o is None else f"{f} ({o})"
+
+
+def run_seeds(runs: pd.DataFrame) -> pd.Series:
+    """Each run's seed (tag ``seed``, else param ``seed``; ``None`` when neither is set)."""
+    tags, params = _get(runs, "tags.seed"), _get(runs, "params.seed")
+    return pd.Series([_first(t, p) for t, p in zip(tags, params, strict=True)],
+                     index=runs.index, dtype=object)
+
+
+def method_labels(runs: pd.DataFrame, *, label_tag: str | None = "method") -> pd.Series:
+    """A method label per run (the table's row name); see the module docstring for the rules.
+
+    Args:
+        runs: frame from :func:`load_runs`.
+        label_tag: a run tag that, when set on a run, is its label verbatim (``None``: never).
+    """
+    filters = [_first(t, p) for t, p in zip(_get(runs, "tags.filter"),
+                                            _get(runs, "params.filter.name"), strict=True)]
+    objectives = [_first(t, p) for t, p in zip(_get(runs, "tags.objective"),
+                                               _get(runs, "params.objective.name"),
+                                               strict=True)]
+    base = pd.Series([method_name(f, o) for f, o in zip(filters, objectives, strict=True)],
+                     index=runs.index, dtype=object)
+    labels = base.copy()
+    hyper = [c for c in runs.columns if c.startswith(("params.filter.", "params.objective."))
+             and not c.endswith((".name",))]
+    for name, idx in base.groupby(base).groups.items():
+        group = runs.loc[idx]
+        varying = [c for c in hyper if group[c].astype(str).nunique(dropna=False) > 1]
+        if not varying:
+            continue
+        for i in idx:
+            parts = [f"{c.split('.', 2)[2]}={runs.at[i, c]}" for c in varying]
+            labels.at[i] = f"{name} ({', '.join(parts)})"
+    if label_tag:
+        own = _get(runs, f"tags.{label_tag}")
+        labels = pd.Series([_first(t, lab) for t, lab in zip(own, labels, strict=True)],
+                           index=runs.index, dtype=object)
+    return labels
+
+
+@dataclass(frozen=True)
+class BenchmarkColumn:
+    """One score column: metric ``eval/<benchmark>/avg_at_<k>``."""
+
+    benchmark: str
+    k: int
+
+    @property
+    def metric(self) -> str:
+        return f"eval/{self.benchmark}/avg_at_{self.k}"
+
+    @property
+    def key(self) -> str:
+        """``<benchmark>@<k>``, the column's id in score frames and on the command line."""
+        return f"{self.benchmark}@{self.k}"
+
+
+def benchmark_columns(runs: pd.DataFrame,
+                      benchmarks: Sequence[str] | None = None) -> list[BenchmarkColumn]:
+    """The ``eval/<benchmark>/avg_at_<k>`` metrics present in ``runs``, in table order.
+
+    Known benchmarks come in the paper's column order (:data:`BENCHMARK_LABELS`), others after
+    them, sorted. ``benchmarks`` selects and orders them: names (``math500``: every k logged for
+    it) or ``name@k``. Raises :class:`NoRunsError` when the runs hold no such metric or a
+    requested benchmark is missing, naming what is there.
+    """
+    found = []
+    for col in runs.columns:
+        m = EVAL_METRIC.match(col[len("metrics."):]) if col.startswith("metrics.") else None
+        if m and runs[col].notna().any():
+            found.append(BenchmarkColumn(m["bench"], int(m["k"])))
+    if not found:
+        raise NoRunsError(
+            f"the {len(runs)} selected run(s) have no eval/<benchmark>/avg_at_<k> metric "
+            f"(runs: {', '.join(runs['run_id'].head(5))}{' ...' if len(runs) > 5 else ''}); "
+            "evaluate them first: saopd-eval run_id=<run> benchmarks=[...]")
+    known = list(BENCHMARK_LABELS)
+    found.sort(key=lambda c: (known.index(c.benchmark) if c.benchmark in known else len(known),
+                              c.benchmark, c.k))
+    if benchmarks is None:
+        return found
+    chosen: list[BenchmarkColumn] = []
+    for want in benchmarks:
+        name, _, k = want.partition("@")
+        hits = [c for c in found if c.benchmark == name and (not k or str(c.k) == k)]
+        if not hits:
+            have = ", ".join(c.key for c in found)
+            raise NoRunsError(f"no run has benchmark {want!r} (metric eval/{name}/avg_at_"
+                              f"{k or '<k>'}); the runs have: {have}")
+        chosen.extend(h for h in hits if h not in chosen)
+    return chosen
+
+
+def column_label(col: BenchmarkColumn, columns: Sequence[BenchmarkColumn]) -> str:
+    """Header text: the paper's name; ``(avg@k)`` added when a benchmark has several k."""
+    name = BENCHMARK_LABELS.get(col.benchmark, col.benchmark)
+    if sum(c.benchmark == col.benchmark for c in columns) > 1:
+        return f"{name} (avg@{col.k})"
+    return name
+
+
+def metric_histories(client_or_uri: Any, run_ids: Iterable[str],
+                     keys: Iterable[str]) -> pd.DataFrame:
+    """Full histories of metrics ``keys`` for the runs, long format.
+
+    Columns ``run_id``, ``key``, ``step``, ``value``. A key a run never logged is absent for
+    that run. When a step was logged twice, the later point (by timestamp) is kept.
+    """
+    client = mlflow_client(client_or_uri)
+    rows = []
+    keys = list(keys)
+    for run_id in run_ids:
+        for key in keys:
+            for m in client.get_metric_history(run_id, key):
+                rows.append((run_id, key, int(m.step), float(m.value), int(m.timestamp)))
+    frame = pd.DataFrame(rows, columns=["run_id", "key", "step", "value", "timestamp"])
+    frame = frame.sort_values(["run_id", "key", "step", "timestamp"], kind="stable")
+    frame = frame.drop_duplicates(["run_id", "key", "step"], keep="last")
+    return frame.drop(columns="timestamp").reset_index(drop=True)
+
+
+def download_token_records(client_or_uri: Any, run_id: str, dst: str | Path,
+                           *, last_only: bool = False) -> list[Path]:
+    """Copy a run's ``token_records/`` artifacts (see :mod:`saopd.analysis.token_records`) to
+    ``dst``; returns the local files, sorted by step (only the last one with ``last_only``).
+    An empty list when the run has none."""
+    client = mlflow_client(client_or_uri)
+    names = sorted(a.path for a in client.list_artifacts(run_id, "token_records")
+                   if not a.is_dir)
+    if last_only:
+        names = names[-1:]
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in names:
+        out.append(Path(client.download_artifacts(run_id, name, str(dst))))
+    return out

@@ -1,0 +1,472 @@
+"""Paper-style results tables (Tables 1-3) from per-run scores, as Markdown, LaTeX and HTML.
+
+Rows are methods (vanilla OPD first, SA-OPD last, as in the paper), optionally preceded by
+reference rows (Student, Teacher) that are shown but not ranked. Columns are benchmarks, then
+``Avg.`` (the mean over the table's benchmarks) and ``Δ OPD`` (the row's ``Avg.`` minus vanilla
+OPD's). A paper-style ``Δ over OPD`` row (per benchmark) follows the highlighted method
+(SA-OPD by default).
+
+Seeds. Runs of one method are its seeds: a cell shows their mean, and ``± spread`` when there
+are at least two: the sample standard deviation (``spread="std"``, ddof = 1) or the half-width
+of the 95% confidence interval of the mean, t(0.975, n-1) * std / sqrt(n) (``spread="ci95"``).
+``Avg.`` is computed per run first (mean over the benchmarks), then its mean and spread over the
+seeds; a run that lacks one of the benchmarks has no ``Avg.``, and its method's ``Avg.`` is left
+empty (a note names the run and the missing benchmarks). ``Δ`` values are differences of means.
+
+Marks. Among method rows (references and Δ rows excluded), per column (benchmarks and
+``Avg.``): the best value is **bold**, the second best underlined; values are compared as
+displayed (rounded to ``decimals``), so ties share a mark, as in the paper.
+
+Scores are the fractions that ``saopd-eval`` logs, multiplied by ``scale`` (100: percent).
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pandas as pd
+
+from saopd.analysis.runs import BASELINE_LABEL, METHOD_ORDER
+
+__all__ = [
+    "AVG",
+    "GAIN",
+    "Cell",
+    "Grid",
+    "ResultsTable",
+    "grid_html",
+    "grid_latex",
+    "grid_markdown",
+    "results_table",
+    "t_quantile_975",
+]
+
+AVG = "Avg."
+GAIN = "Δ OPD"
+Mark = Literal["", "best", "second"]
+Spread = Literal["std", "ci95"]
+
+# t(0.975, df) for df = 1..30, then the normal quantile (the largest error, at df = 31, is 2%).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """Student's t quantile t(0.975, df) (two-sided 95%), from a table; 1.96 beyond df = 30."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+# ---- a small grid renderer shared by the results and token-statistics tables ---------------------
+
+@dataclass
+class Cell:
+    """One table cell: its text and its mark (``best`` = bold, ``second`` = underlined)."""
+
+    text: str
+    mark: Mark = ""
+
+
+@dataclass
+class Grid:
+    """A rendered table, independent of the output format.
+
+    Attributes:
+        header: column headers, the first one over the row labels.
+        rows: cells of each row; the first cell is the row label.
+        rules: row indices before which a horizontal rule is drawn (LaTeX ``\\midrule``,
+            HTML ``class="rule"``); Markdown has none.
+        row_classes: a CSS class per row for HTML (``reference``, ``method``, ``highlight``,
+            ``delta``, ``section``).
+        caption: shown above (HTML, Markdown) or below (LaTeX) the table.
+        notes: lines printed under the table.
+    """
+
+    header: list[str]
+    rows: list[list[Cell]]
+    rules: set[int] = field(default_factory=set)
+    row_classes: list[str] = field(default_factory=list)
+    caption: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def grid_markdown(grid: Grid) -> str:
+    """GitHub Markdown: bold as ``**x**``, underline as ``<u>x</u>`` (Markdown has none)."""
+    def cell(c: Cell) -> str:
+        t = _md_escape(c.text)
+        if c.mark == "best":
+            return f"**{t}**"
+        if c.mark == "second":
+            return f"<u>{t}</u>"
+        return t
+
+    lines = []
+    if grid.caption:
+        lines += [grid.caption, ""]
+    lines.append("| " + " | ".join(_md_escape(h) for h in grid.header) + " |")
+    lines.append("|" + "|".join([":---"] + ["---:"] * (len(grid.header) - 1)) + "|")
+    for i, row in enumerate(grid.rows):
+        cells = [cell(c) for c in row]
+        if grid.row_classes and grid.row_classes[i] == "section":
+            cells = [f"*{cells[0]}*"] + [""] * (len(grid.header) - 1)
+        lines.append("| " + " | ".join(cells) + " |")
+    if grid.notes:
+        lines.append("")
+        lines += [f"{n}  " for n in grid.notes]
+    return "\n".join(lines) + "\n"
+
+
+_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+                  "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}",
+                  "^": r"\textasciicircum{}", "±": r"$\pm$", "Δ": r"$\Delta$", "–": "--"}
+
+
+def latex_escape(text: str) -> str:
+    """Escape LaTeX's special characters (``±`` and ``Δ`` become math)."""
+    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in text)
+
+
+def grid_latex(grid: Grid, *, label: str | None = None) -> str:
+    """A booktabs ``table`` (``\\usepackage{booktabs}``): ``\\textbf`` / ``\\underline``."""
+    def cell(c: Cell) -> str:
+        t = latex_escape(c.text)
+        if c.mark == "best":
+            return rf"\textbf{{{t}}}"
+        if c.mark == "second":
+            return rf"\underline{{{t}}}"
+        return t
+
+    cols = "l" + "c" * (len(grid.header) - 1)
+    lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
+             " & ".join(rf"\textbf{{{latex_escape(h)}}}" for h in grid.header) + r" \\",
+             r"\midrule"]
+    for i, row in enumerate(grid.rows):
+        if i in grid.rules and i > 0:
+            lines.append(r"\midrule")
+        if grid.row_classes and grid.row_classes[i] == "section":
+            lines.append(rf"\multicolumn{{{len(grid.header)}}}{{l}}"
+                         rf"{{\textit{{{latex_escape(row[0].text)}}}}} \\")
+            continue
+        lines.append(" & ".join(cell(c) for c in row) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    if grid.caption:
+        lines.append(rf"\caption{{{latex_escape(grid.caption)}}}")
+    if label:
+        lines.append(rf"\label{{{label}}}")
+    lines.append(r"\end{table}")
+    for note in grid.notes:
+        lines.append(f"% {note}")
+    return "\n".join(lines) + "\n"
+
+
+_HTML_CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:1.5em;color:#222}
+table.results{border-collapse:collapse;margin:.6em 0;font-variant-numeric:tabular-nums}
+table.results caption{caption-side:top;text-align:left;font-weight:600;padding-bottom:.4em}
+table.results th,table.results td{padding:.25em .7em;text-align:center;white-space:nowrap}
+table.results th:first-child,table.results td:first-child{text-align:left}
+table.results thead th{border-top:2px solid #222;border-bottom:1px solid #222}
+table.results tbody tr:last-child td{border-bottom:2px solid #222}
+table.results tr.rule td{border-top:1px solid #222}
+table.results tr.highlight td{background:#dcebff}
+table.results tr.reference td{color:#555}
+table.results tr.delta td{font-size:.9em;color:#333}
+table.results tr.section td{font-style:italic;background:#f2f2f2}
+table.results u{text-decoration-thickness:1px;text-underline-offset:2px}
+p.note{color:#555;font-size:.85em;margin:.2em 0}
+"""
+
+
+def grid_html(grid: Grid, *, title: str | None = None, standalone: bool = True) -> str:
+    """An HTML ``<table class="results">`` (``<b>`` / ``<u>`` marks), inline CSS, no scripts;
+    ``standalone`` wraps it in a complete page. Every text is escaped."""
+    def cell(c: Cell, tag: str) -> str:
+        t = html.escape(c.text)
+        if c.mark == "best":
+            t = f"<b>{t}</b>"
+        elif c.mark == "second":
+            t = f"<u>{t}</u>"
+        return f"<{tag}>{t}</{tag}>"
+
+    parts = ['<table class="results">']
+    if grid.caption:
+        parts.append(f"<caption>{html.escape(grid.caption)}</caption>")
+    parts.append("<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in grid.header)
+                 + "</tr></thead>")
+    parts.append("<tbody>")
+    for i, row in enumerate(grid.rows):
+        classes = []
+        if grid.row_classes:
+            classes.append(grid.row_classes[i])
+        if i in grid.rules and i > 0:
+            classes.append("rule")
+        attr = f' class="{" ".join(classes)}"' if classes else ""
+        if grid.row_classes and grid.row_classes[i] == "section":
+            parts.append(f'<tr{attr}><td colspan="{len(grid.header)}">'
+                         f"{html.escape(row[0].text)}</td></tr>")
+            continue
+        parts.append(f"<tr{attr}>" + cell(row[0], "td")
+                     + "".join(cell(c, "td") for c in row[1:]) + "</tr>")
+    parts.append("</tbody></table>")
+    parts += [f'<p class="note">{html.escape(n)}</p>' for n in grid.notes]
+    table = "\n".join(parts)
+    if not standalone:
+        return table + "\n"
+    head_title = html.escape(title or grid.caption or "saopd report")
+    heading = f"<h1>{html.escape(title)}</h1>\n" if title else ""
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            f"<title>{head_title}</title>\n<style>{_HTML_CSS}</style>\n</head>\n<body>\n"
+            f"{heading}{table}\n</body>\n</html>\n")
+
+
+# ---- the results table ---------------------------------------------------------------------------
+
+@dataclass
+class ResultsTable:
+    """Seed-aggregated scores of methods (and reference rows) on benchmarks.
+
+    Attributes:
+        mean: index = row labels (references, then methods in table order), columns = the
+            benchmark columns (their header labels) then :data:`AVG`; scaled scores.
+        spread: same shape; std or 95% CI half-width over seeds (NaN with fewer than 2 runs).
+        n: runs (seeds) behind each row.
+        gain: ``Avg.`` minus the baseline's ``Avg.`` (NaN for the baseline, or without one).
+        delta: per-column difference highlight - baseline (the ``Δ over OPD`` row), or None.
+        references, methods: row labels by kind, in table order.
+        baseline, highlight: the baseline and highlighted method labels (``None`` if absent).
+        spread_kind: ``"std"`` or ``"ci95"``.
+        decimals: digits shown after the point.
+        notes: what the reader must know (missing benchmarks, dropped rows).
+        caption: the table caption.
+    """
+
+    mean: pd.DataFrame
+    spread: pd.DataFrame
+    n: pd.Series
+    gain: pd.Series
+    delta: pd.Series | None
+    references: list[str]
+    methods: list[str]
+    baseline: str | None
+    highlight: str | None
+    spread_kind: Spread = "std"
+    decimals: int = 1
+    notes: list[str] = field(default_factory=list)
+    caption: str | None = None
+
+    @property
+    def columns(self) -> list[str]:
+        """The ranked columns: benchmarks and ``Avg.``."""
+        return list(self.mean.columns)
+
+    def marks(self) -> pd.DataFrame:
+        """``best`` / ``second`` / ``""`` per method row and column (references excluded)."""
+        out = pd.DataFrame("", index=self.methods, columns=self.columns, dtype=object)
+        for col in self.columns:
+            shown = self.mean.loc[self.methods, col].round(self.decimals).dropna()
+            levels = sorted(set(shown), reverse=True)
+            for row, value in shown.items():
+                if value == levels[0]:
+                    out.at[row, col] = "best"
+                elif len(levels) > 1 and value == levels[1]:
+                    out.at[row, col] = "second"
+        return out
+
+    def _fmt(self, value: float, *, signed: bool = False) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        text = f"{value:+.{self.decimals}f}" if signed else f"{value:.{self.decimals}f}"
+        return text
+
+    def grid(self) -> Grid:
+        """The table as a :class:`Grid` (what the ``to_*`` methods render)."""
+        marks = self.marks()
+        with_spread = bool((self.n > 1).any())
+        header = ["Method", *self.columns]
+        if self.baseline is not None:
+            header.append(GAIN)
+        if with_spread:
+            header.append("Seeds")
+        rows: list[list[Cell]] = []
+        classes: list[str] = []
+        rules: set[int] = set()
+
+        def value_row(label: str, kind: str) -> None:
+            cells = [Cell(label)]
+            for col in self.columns:
+                v = self.mean.at[label, col]
+                text = self._fmt(v)
+                s = self.spread.at[label, col]
+                if text != "–" and not pd.isna(s):
+                    text += f" ± {s:.{self.decimals}f}"
+                mark = marks.at[label, col] if label in marks.index else ""
+                cells.append(Cell(text, mark))  # type: ignore[arg-type]
+            if self.baseline is not None:
+                cells.append(Cell("–" if label == self.baseline
+                                  else self._fmt(self.gain.get(label), signed=True)))
+            if with_spread:
+                cells.append(Cell(str(int(self.n[label]))))
+            rows.append(cells)
+            classes.append(kind)
+
+        for label in self.references:
+            value_row(label, "reference")
+        if self.references:
+            rules.add(len(rows))
+        for label in self.methods:
+            if label == self.highlight and len(self.methods) > 1:
+                rules.add(len(rows))
+            value_row(label, "highlight" if label == self.highlight else "method")
+            if label == self.highlight and self.delta is not None:
+                cells = [Cell(f"Δ over {self.baseline}")]
+                cells += [Cell(self._fmt(self.delta.get(c), signed=True)) for c in self.columns]
+                if self.baseline is not None:
+                    cells.append(Cell(""))
+                if with_spread:
+                    cells.append(Cell(""))
+                rows.append(cells)
+                classes.append("delta")
+        notes = list(self.notes)
+        if with_spread:
+            what = ("sample standard deviation over seeds" if self.spread_kind == "std"
+                    else "95% confidence interval of the mean over seeds (Student's t)")
+            notes.insert(0, f"mean ± {what}; Seeds = runs per row.")
+        notes.insert(0, "Best and second-best results among OPD methods in bold and underlined.")
+        return Grid(header=header, rows=rows, rules=rules, row_classes=classes,
+                    caption=self.caption, notes=notes)
+
+    def to_markdown(self) -> str:
+        """GitHub Markdown."""
+        return grid_markdown(self.grid())
+
+    def to_latex(self, label: str | None = None) -> str:
+        """A LaTeX ``table`` with booktabs rules."""
+        return grid_latex(self.grid(), label=label)
+
+    def to_html(self, *, title: str | None = None, standalone: bool = True) -> str:
+        """A self-contained HTML page (or just the ``<table>``)."""
+        return grid_html(self.grid(), title=title, standalone=standalone)
+
+
+def _order(labels: Sequence[str], baseline: str | None, highlight: str | None) -> list[str]:
+    def key(label: str) -> tuple[int, int, str]:
+        if label == baseline:
+            return (0, 0, label)
+        if label == highlight:
+            return (2, 0, label)
+        base = label.split(" (", 1)[0]
+        known = METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER)
+        return (1, known, label)
+
+    return sorted(dict.fromkeys(labels), key=key)
+
+
+def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
+                  labels: pd.Series, references: Mapping[str, Sequence[str]] | None = None,
+                  baseline: str | None = BASELINE_LABEL, highlight: str | None = "SA-OPD",
+                  spread: Spread = "std", scale: float = 100.0, decimals: int = 1,
+                  caption: str | None = None) -> ResultsTable:
+    """Aggregate per-run scores into a :class:`ResultsTable`.
+
+    Args:
+        scores: one row per run (index = run id), one column per metric
+            (``eval/<bench>/avg_at_<k>``) as fractions; NaN where a run lacks it.
+        columns: ``{metric column of scores: header label}``, in table order.
+        labels: method label per run (same index as ``scores``), e.g.
+            :func:`saopd.analysis.runs.method_labels`.
+        references: ``{row label: [run ids]}`` shown above the methods and never ranked
+            (Student, Teacher); their runs are taken out of the method rows.
+        baseline: the method ``Δ`` is measured against (``None`` or absent: no ``Δ``).
+        highlight: the method shown last, shaded, with a ``Δ over OPD`` row (if present).
+        spread: ``"std"`` or ``"ci95"`` (see the module docstring).
+        scale: multiplies the scores (100: percent).
+        decimals: digits after the point, for display and for tie-aware marks.
+        caption: table caption.
+
+    Raises ``ValueError`` on an empty score frame, an unknown metric column, or labels that do
+    not cover the runs.
+    """
+    if scores.empty:
+        raise ValueError("no runs to tabulate")
+    missing_cols = [c for c in columns if c not in scores.columns]
+    if missing_cols:
+        raise ValueError(f"score frame lacks metric column(s) {missing_cols}")
+    if spread not in ("std", "ci95"):
+        raise ValueError(f"spread must be 'std' or 'ci95', got {spread!r}")
+    unlabelled = set(scores.index) - set(labels.index)
+    if unlabelled:
+        raise ValueError(f"no method label for run(s) {sorted(unlabelled)}")
+    labels = labels.reindex(scores.index).astype(object)
+    references = {k: list(v) for k, v in (references or {}).items()}
+    for ref, ids in references.items():
+        unknown = [i for i in ids if i not in scores.index]
+        if unknown:
+            raise ValueError(f"reference {ref!r}: run(s) {unknown} are not among the scores")
+        labels.loc[ids] = f"\0ref:{ref}"
+
+    values = scores[list(columns)].astype(float) * scale
+    values.columns = list(columns.values())
+    per_run_avg = values.mean(axis=1, skipna=False)
+    notes: list[str] = []
+    incomplete = values.isna().any(axis=1)
+    for run_id in values.index[incomplete]:
+        lacks = [c for c in values.columns if pd.isna(values.at[run_id, c])]
+        who = labels[run_id].removeprefix("\0ref:")
+        notes.append(f"run {run_id} ({who}) lacks {', '.join(lacks)}: no {AVG} for {who}.")
+    values[AVG] = per_run_avg
+
+    method_labels = [lab for lab in labels if not lab.startswith("\0ref:")]
+    if baseline not in method_labels:
+        if baseline is not None:
+            notes.append(f"no {baseline!r} runs: no {GAIN} column.")
+        baseline = None
+    if highlight not in method_labels:
+        highlight = None
+    order = [f"\0ref:{r}" for r in references] + _order(method_labels, baseline, highlight)
+
+    grouped = values.groupby(labels, sort=False)
+    mean = grouped.mean().reindex(order)
+    # a method's Avg. only when every one of its runs has every benchmark
+    has_all = (~values.drop(columns=AVG).isna().any(axis=1)).groupby(labels, sort=False).all()
+    mean.loc[~has_all.reindex(order, fill_value=False).astype(bool), AVG] = float("nan")
+    n = grouped.size().reindex(order)
+    std = grouped.std(ddof=1).reindex(order)
+    if spread == "ci95":
+        factor = pd.Series({lab: (t_quantile_975(int(k) - 1) / math.sqrt(k) if k > 1
+                                  else float("nan")) for lab, k in n.items()})
+        sp = std.mul(factor, axis=0)
+    else:
+        sp = std
+    sp = sp.where(n.reindex(sp.index) > 1)
+    sp.loc[mean[AVG].isna(), AVG] = float("nan")
+
+    gain = pd.Series(float("nan"), index=order)
+    delta = None
+    if baseline is not None:
+        gain = mean[AVG] - mean.at[baseline, AVG]
+        gain[baseline] = float("nan")
+        if highlight is not None and highlight != baseline:
+            delta = mean.loc[highlight] - mean.loc[baseline]
+
+    rename = {lab: lab.removeprefix("\0ref:") for lab in order}
+    refs = [rename[f"\0ref:{r}"] for r in references]
+    clash = set(refs) & set(method_labels)
+    if clash:
+        raise ValueError(f"reference row name(s) {sorted(clash)} are also method labels")
+    mean, sp = mean.rename(index=rename), sp.rename(index=rename)
+    n, gain = n.rename(index=rename), gain.rename(index=rename)
+    return ResultsTable(
+        mean=mean, spread=sp, n=n, gain=gain, delta=delta, references=refs,
+        methods=[rename[o] for o in order if not o.startswith("\0ref:")],
+        baseline=baseline, highlight=highlight, spread_kind=spread, decimals=decimals,
+        notes=notes, caption=caption)

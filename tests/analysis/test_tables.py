@@ -1,0 +1,133 @@
+"""Results tables from per-run scores: seed means and spread, Avg., gain over OPD, marks."""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+
+import pandas as pd
+import pytest
+
+from saopd.analysis.tables import AVG, GAIN, results_table, t_quantile_975
+
+M1, M2 = "eval/math500/avg_at_1", "eval/aime24/avg_at_8"
+COLUMNS = {M1: "Math500", M2: "AIME24"}
+# run -> (method, math500, aime24), fractions
+RUNS = {
+    "o0": ("OPD", 0.60, 0.10), "o1": ("OPD", 0.62, 0.12), "o2": ("OPD", 0.64, 0.08),
+    "s0": ("SA-OPD", 0.66, 0.12), "s1": ("SA-OPD", 0.68, 0.14), "s2": ("SA-OPD", 0.71, 0.13),
+    "e0": ("ExOPD", 0.65, 0.14),
+    "t0": ("TIP", 0.68, 0.13),
+    "st": ("student", 0.30, 0.01),
+}
+
+
+def _frames(runs: dict = RUNS) -> tuple[pd.DataFrame, pd.Series]:
+    scores = pd.DataFrame({M1: {r: v[1] for r, v in runs.items()},
+                           M2: {r: v[2] for r, v in runs.items()}})
+    labels = pd.Series({r: v[0] for r, v in runs.items()})
+    return scores, labels
+
+
+def _values(method: str, col: int) -> list[float]:
+    return [100 * v[col] for v in RUNS.values() if v[0] == method]
+
+
+def _avg(method: str) -> list[float]:
+    return [(100 * v[1] + 100 * v[2]) / 2 for v in RUNS.values() if v[0] == method]
+
+
+def test_means_spread_average_and_gain() -> None:
+    scores, labels = _frames()
+    table = results_table(scores, COLUMNS, labels=labels, references={"Student": ["st"]})
+    assert table.references == ["Student"]
+    assert table.methods == ["OPD", "ExOPD", "TIP", "SA-OPD"]  # baseline first, SA-OPD last
+    for method in ("OPD", "SA-OPD", "ExOPD", "TIP"):
+        assert table.mean.at[method, "Math500"] == pytest.approx(
+            statistics.mean(_values(method, 1)))
+        assert table.mean.at[method, AVG] == pytest.approx(statistics.mean(_avg(method)))
+        assert table.n[method] == len(_avg(method))
+    for method in ("OPD", "SA-OPD"):  # three seeds: sample std (ddof 1)
+        assert table.spread.at[method, "AIME24"] == pytest.approx(
+            statistics.stdev(_values(method, 2)))
+        assert table.spread.at[method, AVG] == pytest.approx(statistics.stdev(_avg(method)))
+    assert math.isnan(table.spread.at["TIP", "Math500"])  # one seed: no spread
+    opd_avg = statistics.mean(_avg("OPD"))
+    assert table.gain["SA-OPD"] == pytest.approx(statistics.mean(_avg("SA-OPD")) - opd_avg)
+    assert table.gain["Student"] == pytest.approx(statistics.mean(_avg("student")) - opd_avg)
+    assert math.isnan(table.gain["OPD"])
+    assert table.delta["AIME24"] == pytest.approx(
+        statistics.mean(_values("SA-OPD", 2)) - statistics.mean(_values("OPD", 2)))
+
+
+def test_ci95_is_t_times_standard_error() -> None:
+    scores, labels = _frames()
+    table = results_table(scores, COLUMNS, labels=labels, spread="ci95")
+    vals = _values("SA-OPD", 1)
+    assert table.spread.at["SA-OPD", "Math500"] == pytest.approx(
+        t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals)))
+    assert t_quantile_975(2) == pytest.approx(4.303) and t_quantile_975(100) == 1.96
+
+
+def test_bold_and_underline_with_ties_among_methods_only() -> None:
+    scores, labels = _frames()
+    table = results_table(scores, COLUMNS, labels=labels, references={"Student": ["st"]})
+    marks = table.marks()
+    assert "Student" not in marks.index
+    # Math500 means: SA-OPD 68.3 > TIP 68.0 > ExOPD 65.0 > OPD 62.0
+    assert marks.at["SA-OPD", "Math500"] == "best" and marks.at["TIP", "Math500"] == "second"
+    assert marks.at["ExOPD", "Math500"] == marks.at["OPD", "Math500"] == ""
+    # AIME24 means: ExOPD 14.0 > SA-OPD 13.0 = TIP 13.0 (a tie shares the mark) > OPD 10.0
+    assert marks.at["ExOPD", "AIME24"] == "best"
+    assert marks.at["SA-OPD", "AIME24"] == marks.at["TIP", "AIME24"] == "second"
+
+    md = table.to_markdown()
+    sa = next(line for line in md.splitlines() if line.startswith("| SA-OPD |"))
+    cells = [c.strip() for c in sa.strip("|").split("|")]
+    assert cells[1].startswith("**68.3 ± ") and cells[2].startswith("<u>13.0 ± ")
+    gain = statistics.mean(_avg("SA-OPD")) - statistics.mean(_avg("OPD"))
+    assert cells[4] == f"{gain:+.1f}"
+    assert f"| Δ over OPD | {table.delta['Math500']:+.1f} |" in md
+    assert md.index("| Student |") < md.index("| OPD |") < md.index("| SA-OPD |")
+
+    tex = table.to_latex()
+    assert re.search(r"ExOPD & 65\.0 & \\textbf\{14\.0\}", tex)
+    assert r"\underline{68.0}" in tex and r"$\pm$" in tex and r"$\Delta$ over OPD" in tex
+    page = table.to_html()
+    assert "<b>68.3 ± " in page and "<u>68.0</u>" in page and 'class="highlight' in page
+    assert "standard deviation" in page
+
+
+def test_missing_benchmark_leaves_avg_empty_and_says_why() -> None:
+    scores, labels = _frames()
+    scores.at["s1", M2] = float("nan")
+    table = results_table(scores, COLUMNS, labels=labels)
+    assert math.isnan(table.mean.at["SA-OPD", AVG])
+    assert table.mean.at["SA-OPD", "AIME24"] == pytest.approx(100 * (0.12 + 0.13) / 2)
+    assert any("s1" in n and "AIME24" in n for n in table.notes)
+    assert math.isnan(table.gain["SA-OPD"])
+    assert "| SA-OPD | **" in table.to_markdown() and " – " in table.to_markdown()
+
+
+def test_no_baseline_means_no_gain_column() -> None:
+    runs = {k: v for k, v in RUNS.items() if v[0] != "OPD"}
+    scores, labels = _frames(runs)
+    table = results_table(scores, COLUMNS, labels=labels)
+    assert table.baseline is None and table.delta is None
+    assert GAIN not in table.grid().header
+    assert any("no 'OPD' runs" in n for n in table.notes)
+
+
+def test_bad_inputs_name_the_problem() -> None:
+    scores, labels = _frames()
+    with pytest.raises(ValueError, match="no runs"):
+        results_table(scores.iloc[0:0], COLUMNS, labels=labels)
+    with pytest.raises(ValueError, match="metric column"):
+        results_table(scores, {"eval/x/avg_at_1": "X"}, labels=labels)
+    with pytest.raises(ValueError, match="no method label"):
+        results_table(scores, COLUMNS, labels=labels.drop("o0"))
+    with pytest.raises(ValueError, match="not among the scores"):
+        results_table(scores, COLUMNS, labels=labels, references={"Teacher": ["nope"]})
+    with pytest.raises(ValueError, match="spread"):
+        results_table(scores, COLUMNS, labels=labels, spread="sem")  # type: ignore[arg-type]
