@@ -31,7 +31,9 @@ class RolloutCallback(L.Callback):
         pl_module.step_started = time.perf_counter()
         sampling = self.sampling
         if sampling.seed is not None:
-            sampling = dataclasses.replace(sampling, seed=sampling.seed + trainer.global_step)
+            # each data-parallel rank draws its own stream (rank 0 as a single process does)
+            seed = sampling.seed + trainer.global_step + 1_000_003 * trainer.global_rank
+            sampling = dataclasses.replace(sampling, seed=seed)
         pl_module.pending_rollouts = self.engine.generate(batch["messages"], sampling)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,

@@ -4,6 +4,10 @@ Step k trains on prompts ``stream[k*B : (k+1)*B]`` of one endless stream that co
 epochs' shuffled orders (epoch e: ``PromptSampler.order(e)``, seeded by ``seed + e``). The batch
 of a step is therefore a pure function of (seed, step): a run resumed at step k draws exactly the
 prompts an uninterrupted run would, whatever the DataLoader prefetched before the interruption.
+
+With W data-parallel ranks, rank r takes the r-th contiguous W-th of every step's batch, so the
+ranks' rows concatenated in rank order are exactly the batch one process would take (which the
+batch-global filter and the global loss normalisation rely on).
 """
 
 from __future__ import annotations
@@ -24,13 +28,24 @@ class StepBatchSampler(Sampler[list[int]]):
     current step. Lightning re-iterates a loader at every epoch start and, after a mid-epoch
     resume, counts the epoch's batches from where the checkpoint was; reading the step at
     ``iter()`` keeps batch k tied to step k in every case. ``len()`` is ``num_steps``.
+    With ``world_size`` W > 1 each step yields rank ``rank``'s contiguous ``batch_size / W``
+    share of the global batch (``batch_size`` must be divisible by W).
     """
 
     def __init__(self, num_prompts: int, batch_size: int, num_steps: int, *, seed: int = 0,
-                 shuffle: bool = True, start_step: int | Callable[[], int] = 0) -> None:
+                 shuffle: bool = True, start_step: int | Callable[[], int] = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
         if batch_size < 1 or num_steps < 1:
             raise ValueError(f"batch_size and num_steps must be >= 1, got {batch_size}, "
                              f"{num_steps}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, "
+                             f"world_size {world_size}")
+        if batch_size % world_size:
+            raise ValueError(
+                f"prompts_per_step ({batch_size}) must be divisible by the number of "
+                f"data-parallel ranks ({world_size}): every rank takes an equal share")
+        self.rank, self.world_size = rank, world_size
         self.order = PromptSampler(num_prompts, seed=seed, shuffle=shuffle)
         self.num_prompts, self.batch_size, self.num_steps = num_prompts, batch_size, num_steps
         self.start_step = start_step
@@ -49,8 +64,9 @@ class StepBatchSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         start = self.start_step() if callable(self.start_step) else self.start_step
+        share = self.batch_size // self.world_size
         for step in range(start, self.num_steps):
-            yield self.batch(step)
+            yield self.batch(step)[self.rank * share: (self.rank + 1) * share]
 
     def __len__(self) -> int:
         return self.num_steps
@@ -75,9 +91,12 @@ class PromptDataModule(L.LightningDataModule):
         return self.trainer.global_step if self.trainer is not None else self.start_step
 
     def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
         sampler = StepBatchSampler(len(self.records), self.prompts_per_step, self.num_steps,
                                    seed=self.seed, shuffle=self.shuffle,
-                                   start_step=self._current_step)
+                                   start_step=self._current_step,
+                                   rank=trainer.global_rank if trainer is not None else 0,
+                                   world_size=trainer.world_size if trainer is not None else 1)
         return DataLoader(PromptDataset(self.records), batch_sampler=sampler,
                           collate_fn=collate_prompts, num_workers=0)
 

@@ -31,7 +31,15 @@ import torch
 from saopd._checks import check_choice, check_positive
 from saopd.data.contexts import TRUNCATION_MODES, PairedContextBatch, collate_contexts
 from saopd.filters import FilterResult, TokenFilter
+from saopd.filters.distributed import batch_global_filter
 from saopd.lightning.metrics import TrainMetrics
+from saopd.lightning.sharding import (
+    all_reduce_sum,
+    dp_world_size,
+    enable_activation_checkpointing,
+    no_backward_sync,
+    shard_model,
+)
 from saopd.objectives import AGGREGATIONS, Objective, aggregate
 from saopd.rollout.base import RolloutBatch
 from saopd.signals import LMHead, Logits, TokenSignals
@@ -184,13 +192,23 @@ class OPDModule(L.LightningModule):
         optim: AdamW and schedule; ``total_steps`` for decaying schedules.
         step: context building and loss reduction.
         vocab_size: logits used by both models (their common head width).
+        activation_checkpointing: recompute the student's decoder layers in backward.
+        fsdp_mixed_precision: ``"bf16"`` or None: FSDP2's compute dtype when the strategy is
+            ``ModelParallelStrategy`` (``trainer.strategy=fsdp``); ignored otherwise.
+
+    Data parallelism (DDP, FSDP): each rank holds its share of the step's rollouts; the filter
+    runs on the gathered global batch (:func:`~saopd.filters.distributed.batch_global_filter`)
+    and the loss is normalised by global counts, so W ranks take exactly the step one process
+    takes on the concatenated batch.
     """
 
     def __init__(self, *, student: nn.Module, teacher: nn.Module,
                  tokenizer: PreTrainedTokenizerBase, token_filter: TokenFilter,
                  objective: Objective, reference: nn.Module | None = None,
                  optim: OptimConfig | None = None, step: StepConfig | None = None,
-                 total_steps: int = 1, vocab_size: int | None = None) -> None:
+                 total_steps: int = 1, vocab_size: int | None = None,
+                 activation_checkpointing: bool = False,
+                 fsdp_mixed_precision: str | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the student only (see on_save_checkpoint)
@@ -208,6 +226,8 @@ class OPDModule(L.LightningModule):
         self.step_cfg = step or StepConfig()
         self.total_steps = total_steps
         self.vocab_size = vocab_size
+        self.activation_checkpointing = activation_checkpointing
+        self.fsdp_mixed_precision = fsdp_mixed_precision
         self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs)
         self.metrics = TrainMetrics()
         self.pending_rollouts: RolloutBatch | None = None
@@ -215,6 +235,30 @@ class OPDModule(L.LightningModule):
         self.last_view: dict[str, Any] | None = None  # for the filtered-token view callback
 
     # ---- Lightning plumbing ---------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Activation checkpointing; under ``ModelParallelStrategy`` FSDP2-shard each model.
+
+        Student, teacher and reference are sharded separately (one ``fully_shard`` per decoder
+        layer and per root), the frozen ones resharded after every forward.
+        """
+        if getattr(self, "_configured", False):
+            return
+        self._configured = True
+        if self.activation_checkpointing:
+            enable_activation_checkpointing(self.student)
+        mesh = self._device_mesh
+        if mesh is None:
+            return
+        dp_mesh = mesh["data_parallel"]
+        if mesh.size() != dp_mesh.size():
+            raise ValueError("trainer.strategy=fsdp supports data parallelism only "
+                             f"(mesh {mesh.shape}); set tensor_parallel_size to 1")
+        shard_model(self.student, dp_mesh, mixed_precision=self.fsdp_mixed_precision)
+        for frozen in (self.teacher, self.reference):
+            if frozen is not None:
+                shard_model(frozen, dp_mesh, mixed_precision=self.fsdp_mixed_precision,
+                            frozen=True)
+
     def configure_optimizers(self) -> Any:
         cfg = self.optim_cfg
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -246,6 +290,9 @@ class OPDModule(L.LightningModule):
     # ---- the step ---------------------------------------------------------------------------
     def build_contexts(self, rollouts: RolloutBatch) -> PairedContextBatch:
         cfg = self.step_cfg
+        vision = getattr(self, "vision_contexts", None)  # saopd.data.vision.VisionContexts (VLMs)
+        if vision is not None:  # images expanded; pixel values ride in the batch's model_inputs
+            return vision.collate(rollouts, cfg).to(self.device)
         return collate_contexts(
             self.tokenizer, rollouts.row_messages(), [r.response_ids for r in rollouts.rollouts],
             residual=cfg.residual, keep_system=cfg.keep_system, neutral_prompt=cfg.neutral_prompt,
@@ -276,23 +323,27 @@ class OPDModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         micro = self.step_cfg.micro_batch_size
         mode = self.step_cfg.aggregation
-        if micro is None or micro >= n_rows:
+        world = dp_world_size()
+        whole = micro is None or micro >= n_rows
+        # The filter is batch-global (over every rank's rollouts): score first, filter, then
+        # back-propagate with the global counts. With one micro-batch and one rank the first
+        # scoring pass carries the gradient itself.
+        with torch.set_grad_enabled(whole):
             signals = score_student(ctx, frozen, student=self.student, needs=self.needs,
                                     lp_sampler=lp_sampler, **kw)
-            result = self.token_filter(signals, generator=generator)
-            out = self.objective(signals, result)
-            loss = aggregate(out.loss, result.keep, mode)
-            self.manual_backward(loss)
+        result = batch_global_filter(self.token_filter, signals, generator=generator)
+        out = self.objective(signals, result)  # metrics of this rank's rows
+        counts = all_reduce_sum(torch.stack([result.keep.sum(), (result.keep.sum(-1) > 0).sum()]))
+        num_tokens, num_seqs = counts[0], counts[1]
+        if whole:
+            # gradients are averaged over the W ranks: back-propagate W x this rank's share
+            loss = aggregate(out.loss, result.keep, mode, num_tokens=num_tokens,
+                             num_sequences=num_seqs)
+            self.manual_backward(loss * world if world > 1 else loss)
         else:
-            with torch.no_grad():  # the filter is batch-global: score every rollout first
-                signals = score_student(ctx, frozen, student=self.student, needs=self.needs,
-                                        lp_sampler=lp_sampler, **kw)
-            result = self.token_filter(signals, generator=generator)
-            out = self.objective(signals, result)  # metrics of the whole batch
-            num_tokens = result.keep.sum()
-            num_seqs = (result.keep.sum(-1) > 0).sum()
             loss = torch.zeros((), device=self.device)
-            for start in range(0, n_rows, micro):
+            starts = list(range(0, n_rows, micro))
+            for start in starts:
                 rows = slice(start, start + micro)
                 sub = score_student(_slice_batch(ctx, rows), _slice_frozen(frozen, rows),
                                     student=self.student, needs=self.needs,
@@ -300,8 +351,10 @@ class OPDModule(L.LightningModule):
                 part = _slice_result(result, rows)
                 sub_loss = aggregate(self.objective(sub, part).loss, part.keep, mode,
                                      num_tokens=num_tokens, num_sequences=num_seqs)
-                self.manual_backward(sub_loss)
+                with no_backward_sync(self.trainer.strategy, start != starts[-1]):
+                    self.manual_backward(sub_loss * world if world > 1 else sub_loss)
                 loss = loss + sub_loss.detach()
+        loss = all_reduce_sum(loss.detach())  # the global batch's loss
 
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.optim_cfg.grad_clip,
@@ -339,9 +392,11 @@ class OPDModule(L.LightningModule):
         values["lr"] = torch.tensor(lr)
         values["step_time"] = m.step("step_time", time.perf_counter() - started)
         bar = {"loss", "flmr"}
+        # loss and the filter's statistics are already global; the rest are averaged over ranks
+        sync = dp_world_size() > 1
         for name, value in values.items():
             self.log(f"train/{name}", value, on_step=True, on_epoch=False,
-                     prog_bar=name in bar, batch_size=len(rollouts.rollouts))
+                     prog_bar=name in bar, batch_size=len(rollouts.rollouts), sync_dist=sync)
 
     def _keep_view(self, rollouts: RolloutBatch, ctx: PairedContextBatch,
                    signals: TokenSignals, result: FilterResult) -> None:

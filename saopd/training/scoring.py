@@ -68,6 +68,36 @@ def _plain_head(model: nn.Module) -> bool:
     return not any(getattr(config, name, None) not in (None, 1.0) for name in _HEAD_TRANSFORMS)
 
 
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _sharded_hidden(model: nn.Module, backbone: nn.Module, ctx: ContextBatch) -> torch.Tensor:
+    """Final hidden states [B, T, H] of an FSDP2-sharded model, through its root forward.
+
+    The root's forward gathers the root's own parameters (embeddings, final norm, LM head) and
+    FSDP2 keeps a root's parameters gathered after its forward, so the LM-head weight read next
+    is the full matrix. Only the last position's logits are computed (``logits_to_keep=1``); the
+    hidden states come from a hook on the backbone.
+    """
+    captured: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state")
+                        else output[0])
+
+    handle = backbone.register_forward_hook(hook)
+    try:
+        model(**ctx.model_inputs(), logits_to_keep=1)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
 def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | None = None
                     ) -> LogitSource:
     """The logits of ``model`` at the positions predicting each response token.
@@ -79,7 +109,10 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
     index = ctx.gather_index  # [B, R]
     if _plain_head(model):
         backbone = model.base_model if hasattr(model, "base_model") else model.model
-        hidden = backbone(**ctx.model_inputs()).last_hidden_state  # [B, T, H]
+        if _is_fsdp2(model):
+            hidden = _sharded_hidden(model, backbone, ctx)
+        else:
+            hidden = backbone(**ctx.model_inputs()).last_hidden_state  # [B, T, H]
         hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
         head = model.get_output_embeddings()
         weight, bias = head.weight, getattr(head, "bias", None)
