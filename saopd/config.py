@@ -21,6 +21,8 @@ from saopd.lightning.module import OptimConfig, StepConfig
 from saopd.models.factory import ModelConfig
 
 LONG_PROMPT_MODES = ("skip", "error", "truncate")
+DATA_SOURCES = ("gsm8k", "prepared", "vision")
+VISION_RESIDUAL_MODES = ("all", "image", "text")  # saopd.data.vision (kept torch-free here)
 ENGINES = ("hf",)
 LOGGERS = ("mlflow", "none")
 
@@ -69,9 +71,11 @@ class DataConfig:
     """Training prompts.
 
     Attributes:
-        source: ``gsm8k`` (JSONL rows with ``question``/``answer``) or ``prepared`` (the DVC
+        source: ``gsm8k`` (JSONL rows with ``question``/``answer``), ``prepared`` (the DVC
             pipeline's schema: ``id``, ``messages``, ``answer``; ``system_prompt`` and
-            ``instruction`` do not apply, the prepared messages are used as they are).
+            ``instruction`` do not apply, the prepared messages are used as they are) or
+            ``vision`` (the same schema with image parts in the user turn, image paths relative
+            to the JSONL: ``dvc repro prepare_vlm``; needs a vision-language student/teacher).
         path: the JSONL file.
         limit: use only the first ``limit`` rows.
         system_prompt: optional system turn before each question.
@@ -81,6 +85,12 @@ class DataConfig:
             (counted), raise (``error``), or are left-truncated when contexts are built
             (``truncate``).
         shuffle: shuffle the prompt order (seeded per epoch).
+        residual_remove: ``source: vision`` only: what the residual context removes from the
+            prompt: ``all`` (images and question, the default), ``image`` (images only) or
+            ``text`` (question only, images kept).
+        chat_template_kwargs: extra chat-template variables for ``source: vision`` prompts, in
+            rollouts and contexts alike (``{enable_thinking: false}``: Qwen3.5's non-thinking
+            mode).
     """
 
     source: str = "gsm8k"
@@ -92,9 +102,12 @@ class DataConfig:
     max_prompt_length: int | None = None
     long_prompts: str = "skip"
     shuffle: bool = True
+    residual_remove: str = "all"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_choice("source", self.source, ("gsm8k", "prepared"), owner="data")
+        check_choice("source", self.source, DATA_SOURCES, owner="data")
+        check_choice("residual_remove", self.residual_remove, VISION_RESIDUAL_MODES, owner="data")
         check_choice("long_prompts", self.long_prompts, LONG_PROMPT_MODES, owner="data")
         _positive_int("data", "limit", self.limit, allow_none=True)
         _positive_int("data", "max_prompt_length", self.max_prompt_length, allow_none=True)

@@ -4,6 +4,7 @@
     saopd-eval checkpoint=outputs/smollm2_gsm8k/<run>/checkpoints/last.ckpt     # a trained student
     saopd-eval run_id=<mlflow run id>      # the run's last checkpoint; results go into that run
     saopd-eval model.name_or_path=Qwen/Qwen3-1.7B trainer_device=cuda            # any hub model
+    saopd-eval model=tiny_qwen3_5_vl benchmarks=[synth_vqa] k=1 limit=8          # a VLM
 
 Sampling follows the paper (temperature 1.0, top-p 0.95, per-benchmark max new tokens); the
 default benchmarks need ``dvc repro prepare_eval`` (``gsm8k`` reads the vendored test split).
@@ -29,7 +30,11 @@ from saopd.models.factory import ModelConfig
 log = logging.getLogger("saopd.eval")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 DEFAULT_MAX_NEW_TOKENS = {"math500": 18000, "aime24": 18000, "aime25": 18000, "amc23": 18000,
-                          "minerva_math": 18000, "gsm8k": 1024}
+                          "minerva_math": 18000, "gsm8k": 1024,
+                          # VLM benchmarks (paper, Appendix B): 1,024 new tokens for visual
+                          # understanding, 4,096 for visual reasoning
+                          "synth_vqa": 1024, "evochart": 1024, "mmifeval": 1024, "countqa": 1024,
+                          "mathvision": 4096, "geo3k": 4096, "mathvista": 4096}
 
 
 @dataclass
@@ -50,6 +55,8 @@ class EvalConfig:
         batch_size: problems per ``generate`` call.
         grade_workers: processes grading answers (None = one per core).
         device: where the model runs (cpu | cuda).
+        chat_template_kwargs: extra chat-template variables for vision-language models
+            (``{enable_thinking: false}``: Qwen3.5's non-thinking mode).
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="unset"))
@@ -72,6 +79,7 @@ class EvalConfig:
     tracking_uri: str | None = None
     experiment_name: str = "eval"
     log_to_mlflow: bool = True
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
@@ -83,14 +91,29 @@ def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
     return ModelConfig(**OmegaConf.to_container(cfg.student, resolve=False))
 
 
+def _build(cfg: ModelConfig) -> tuple[Any, Any, Any]:
+    """Model, tokenizer and (for vision-language models) processor, else None."""
+    from saopd.models.factory import build_model, build_vlm
+
+    if cfg.is_vision:
+        model, processor = build_vlm(cfg)
+        return model, processor.tokenizer, processor
+    model, tokenizer = build_model(cfg)
+    return model, tokenizer, None
+
+
 def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, int]:
     """Build the run's student architecture and load a checkpoint's student weights."""
-    from saopd.models.factory import build_model
+    model, tokenizer, _, step = _load_student(ckpt, model_cfg)
+    return model, tokenizer, step
 
+
+def _load_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, Any, int]:
+    """:func:`load_checkpoint_student` plus the processor of a vision-language student."""
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint: no such file {ckpt}")
     cfg = _student_from_run(ckpt.parent.parent, model_cfg)
-    model, tokenizer = build_model(cfg)
+    model, tokenizer, processor = _build(cfg)
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     student = {k[len("student."):]: v for k, v in state["state_dict"].items()
                if k.startswith("student.")}
@@ -98,14 +121,13 @@ def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, An
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise ValueError(f"checkpoint {ckpt} does not fit the student: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
-    return model.eval(), tokenizer, int(state.get("global_step", 0))
+    return model.eval(), tokenizer, processor, int(state.get("global_step", 0))
 
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files."""
     from saopd.data.prepare import write_jsonl_atomic
     from saopd.eval.runner import evaluate_benchmark, load_benchmark
-    from saopd.models.factory import build_model
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
 
@@ -121,11 +143,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         params = client.get_run(conf.run_id).data.params
         ckpt = Path(params["paths.output_dir"]) / "checkpoints" / "last.ckpt"
     if ckpt is not None:
-        model, tokenizer, step = load_checkpoint_student(ckpt, conf.model)
+        model, tokenizer, processor, step = _load_student(ckpt, conf.model)
     else:
-        model, tokenizer = build_model(conf.model)
+        model, tokenizer, processor = _build(conf.model)
     model.to(conf.device)
     engine = HFGenerateEngine(model, tokenizer, batch_size=conf.batch_size)
+    if processor is not None:  # a vision-language model: prompts may hold images
+        engine.set_processor(processor, chat_template_kwargs=conf.chat_template_kwargs)
 
     results: dict[str, Any] = {}
     for name in conf.benchmarks:

@@ -66,14 +66,18 @@ def _prepared_records(path: Path, conf: TrainConfig) -> tuple[list[Any], Any]:
     return records, report
 
 
-def _load_prompts(conf: TrainConfig, tokenizer: Any) -> tuple[list[Any], dict[str, int]]:
+def _load_prompts(conf: TrainConfig, tokenizer: Any, processor: Any = None
+                  ) -> tuple[list[Any], dict[str, int]]:
     from saopd.data.prompts import filter_long_prompts, gsm8k_records
 
     path = Path(conf.data.path)
     if not path.is_file():
         hint = " (run `make data` / `dvc repro prepare_train`)" if \
             conf.data.source == "prepared" else ""
+        hint = " (run `dvc repro prepare_vlm`)" if conf.data.source == "vision" else hint
         raise UserError(f"data.path: no such file {path}{hint}")
+    if conf.data.source == "vision":  # prompts with images (issue 7)
+        return _vision_prompts(conf, path, processor)
     if conf.data.source == "prepared":
         records, report = _prepared_records(path, conf)
     else:
@@ -89,6 +93,61 @@ def _load_prompts(conf: TrainConfig, tokenizer: Any) -> tuple[list[Any], dict[st
     if not records:
         raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
     return records, counts
+
+
+def _vision_prompts(conf: TrainConfig, path: Path, processor: Any
+                    ) -> tuple[list[Any], dict[str, int]]:
+    """Prompts with images (``data.source: vision``), checked row by row; over-long prompts
+    (counting their image tokens) are skipped or refused as ``data.long_prompts`` says."""
+    from saopd.data.vision import filter_long_vision_prompts, vision_records
+
+    if processor is None:
+        raise UserError("data.source=vision needs vision-language models (a tiny vision kind or "
+                        "model.vision: true for student and teacher)")
+    try:
+        records, report = vision_records(path, limit=conf.data.limit,
+                                         skip_bad=conf.data.skip_bad)
+        counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
+        max_len = conf.data.max_prompt_length
+        if max_len is not None and conf.data.long_prompts != "truncate":
+            records, counts["prompts_skipped_long"] = filter_long_vision_prompts(
+                records, processor, max_len, mode=conf.data.long_prompts,
+                chat_template_kwargs=conf.data.chat_template_kwargs)
+    except ValueError as err:
+        raise UserError(f"data: {err}") from None
+    if not records:
+        raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
+    return records, counts
+
+
+def _build_vlm_pair(conf: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
+    """Student, its tokenizer, teacher, its tokenizer and the student's processor of a VLM pair;
+    the teacher's processor must agree with the student's (``check_same_processor``)."""
+    from saopd.models.factory import build_vlm
+    from saopd.models.vlm import check_same_processor
+
+    if not (conf.student.is_vision and conf.teacher.is_vision):
+        raise ValueError("student and teacher must both be vision-language models or both text "
+                         f"models (student vision: {conf.student.is_vision}, teacher vision: "
+                         f"{conf.teacher.is_vision})")
+    student, processor = build_vlm(conf.student)
+    teacher, teacher_processor = build_vlm(conf.teacher)
+    check_same_processor(processor, teacher_processor,
+                         chat_template_kwargs=conf.data.chat_template_kwargs)
+    return student, processor.tokenizer, teacher, teacher_processor.tokenizer, processor
+
+
+def _attach_vision(conf: TrainConfig, engine: Any, module: Any, processor: Any) -> None:
+    """VLMs (issue 7): images reach the rollouts (the engine's processor) and the contexts
+    (``module.vision_contexts``, residual ``data.residual_remove``)."""
+    from saopd.data.vision import VisionContexts
+
+    if not hasattr(engine, "set_processor"):
+        raise UserError(f"rollout engine {type(engine).__name__} does not take images yet; use "
+                        "rollout=hf for vision-language models")
+    engine.set_processor(processor, chat_template_kwargs=conf.data.chat_template_kwargs)
+    module.vision_contexts = VisionContexts(processor, remove=conf.data.residual_remove,
+                                            chat_template_kwargs=conf.data.chat_template_kwargs)
 
 
 def _find_resume(conf: TrainConfig) -> Path | None:
@@ -143,9 +202,13 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     out_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
+    processor = None  # the student's processor when the pair is vision-language (issue 7)
     try:
-        student, tokenizer = build_model(conf.student)
-        teacher, teacher_tok = build_model(conf.teacher)
+        if conf.student.is_vision or conf.teacher.is_vision:
+            student, tokenizer, teacher, teacher_tok, processor = _build_vlm_pair(conf)
+        else:
+            student, tokenizer = build_model(conf.student)
+            teacher, teacher_tok = build_model(conf.teacher)
         vocab = check_same_vocabulary(tokenizer, teacher_tok, student, teacher)
     except (ValueError, OSError) as err:
         raise UserError(f"models: {err}") from None
@@ -153,7 +216,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     reference = None
     if "lp_ref" in objective.needs:
         reference = copy.deepcopy(student)
-    records, data_counts = _load_prompts(conf, tokenizer)
+    records, data_counts = _load_prompts(conf, tokenizer, processor)
 
     sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
                               top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
@@ -167,6 +230,8 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
                        token_filter=token_filter, objective=objective, reference=reference,
                        optim=conf.optim, step=conf.step, total_steps=conf.steps,
                        vocab_size=vocab.common_logits)
+    if processor is not None:
+        _attach_vision(conf, engine, module, processor)
     data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                             num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
 

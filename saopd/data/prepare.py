@@ -88,8 +88,8 @@ PathLike = str | os.PathLike[str]
 #: Default instruction appended (after a newline) to every problem; ``params.yaml`` sets it too.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
-#: Stage names accepted by the command line.
-STAGES = ("prepare_eval", "prepare_train")
+#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.data.synth_vqa`).
+STAGES = ("prepare_eval", "prepare_train", "prepare_vlm")
 
 #: Columns of ``zwhe99/DeepMath-103K`` that are read. The dataset (one ``train`` split, about
 #: 103k rows) also has ``r1_solution_1..3``, three long DeepSeek-R1 solutions, which are not
@@ -744,11 +744,19 @@ def _gsm8k_local(
 def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, Any]:
     if stage == "prepare_eval":
         return prepare_eval(params, root)
+    if stage == "prepare_vlm":  # rendered images for vision-language OPD (needs Pillow)
+        from saopd.data.synth_vqa import SynthError, prepare_vlm
+
+        try:
+            return prepare_vlm(params, root)
+        except SynthError as e:
+            raise PrepareError(str(e)) from e
     return prepare_train(params, root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m saopd.data.prepare {prepare_eval,prepare_train} --params FILE``.
+    """Command line: ``python -m saopd.data.prepare {prepare_eval,prepare_train,prepare_vlm}
+    --params FILE``.
 
     Exits 1 with a one-line ``error: ...`` on a :class:`PrepareError`.
     """

@@ -4,6 +4,12 @@ For each problem, ``k`` responses are sampled (the paper: temperature 1.0, top-p
 against the gold answer (:func:`saopd.eval.math.grade_many`); a benchmark's score is the mean over
 problems of the fraction of correct samples (Avg@k; with k = 1 it is plain accuracy). Every sample
 is kept in a JSONL (problem id, sample index, response, extracted answer, correct).
+
+Vision-language benchmarks: rows whose user turn holds image parts (paths relative to the JSONL,
+checked by :func:`saopd.data.vision.read_vision_rows`) and whose ``metadata["format"]`` is
+``count``, ``choice`` or ``numeric`` are graded by :func:`saopd.eval.vision.grade_vision`
+(counting exact match, option letters, numbers within a relative tolerance); the engine must then
+have the model's processor. ``synth_vqa`` names the test split of ``dvc repro prepare_vlm``.
 """
 
 from __future__ import annotations
@@ -22,16 +28,25 @@ if TYPE_CHECKING:
 
 MATH_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math")
 REQUIRED_FIELDS = ("id", "messages", "answer")
+#: Vision benchmarks outside ``data_dir``: name -> path relative to ``data_dir``'s parent
+#: (``data/prepared``), written by ``dvc repro prepare_vlm``.
+VISION_BENCHMARKS = {"synth_vqa": "vlm/test.jsonl"}
 
 
 @dataclass
 class EvalProblem:
-    """One benchmark problem: chat messages to sample from and the gold answer."""
+    """One benchmark problem: chat messages to sample from and the gold answer.
+
+    ``metadata``: the row's metadata; ``metadata["format"]`` in
+    :data:`saopd.eval.vision.VISION_FORMATS` selects the vision grading (with its ``choices`` /
+    ``tolerance``), anything else the math grading.
+    """
 
     id: str
     messages: list[dict[str, Any]]
     answer: str
     source: str
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,30 +63,76 @@ class BenchmarkResult:
 
 def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
                    skip_bad: bool = False) -> list[EvalProblem]:
-    """Problems of ``name``: ``gsm8k`` (the vendored test split) or a prepared JSONL
-    ``<data_dir>/<name>.jsonl`` (``dvc repro prepare_eval`` writes them)."""
+    """Problems of ``name``: ``gsm8k`` (the vendored test split), a prepared JSONL
+    ``<data_dir>/<name>.jsonl`` (``dvc repro prepare_eval`` writes them; rows with images are
+    read with their image paths checked and resolved), or a vision benchmark of
+    :data:`VISION_BENCHMARKS` (``synth_vqa``: ``dvc repro prepare_vlm``)."""
     if name == "gsm8k":
         from saopd.data.prompts import GSM8K_DIR
 
         records, _ = gsm8k_records(GSM8K_DIR / "test.jsonl", limit=limit, skip_bad=skip_bad)
         return [EvalProblem(r.id, r.messages, r.answer or "", "gsm8k") for r in records]
     path = Path(data_dir) / f"{name}.jsonl"
+    if not path.is_file() and name in VISION_BENCHMARKS:
+        path = Path(data_dir).parent / VISION_BENCHMARKS[name]
+        if not path.is_file():
+            raise FileNotFoundError(f"benchmark {name!r}: no file {path}; run "
+                                    "`dvc repro prepare_vlm`")
     if not path.is_file():
         raise FileNotFoundError(
             f"benchmark {name!r}: no prepared file {path}; run `dvc repro prepare_eval` "
-            f"(known benchmarks: gsm8k, {', '.join(MATH_BENCHMARKS)})"
+            f"(known benchmarks: gsm8k, {', '.join(MATH_BENCHMARKS)}, "
+            f"{', '.join(VISION_BENCHMARKS)})"
         )
     rows, _ = load_jsonl(path, skip_bad=skip_bad)
+    if any(isinstance(m.get("content"), list) for r in rows
+           for m in (r.get("messages") or []) if isinstance(m, dict)):
+        return _vision_problems(path, name, limit=limit, skip_bad=skip_bad)
     problems = []
     for line, row in enumerate(rows, start=1):
         missing = [f for f in REQUIRED_FIELDS if f not in row]
         if missing:
             raise ValueError(f"{path}: row {line} lacks field(s) {missing}")
         problems.append(EvalProblem(str(row["id"]), row["messages"], str(row["answer"]),
-                                    row.get("source", name)))
+                                    row.get("source", name), dict(row.get("metadata") or {})))
         if limit is not None and len(problems) >= limit:
             break
     return problems
+
+
+def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
+                     ) -> list[EvalProblem]:
+    """Rows with images: messages validated, image paths made absolute (``file:line`` errors)."""
+    from saopd.data.vision import read_vision_rows
+
+    rows, _ = read_vision_rows(path, limit=limit, skip_bad=skip_bad, required=REQUIRED_FIELDS)
+    return [EvalProblem(str(r["id"]), r["messages"], str(r["answer"]), r.get("source", name),
+                        dict(r.get("metadata") or {})) for r in rows]
+
+
+def _grade(samples: list[dict[str, Any]], problems: dict[str, EvalProblem],
+           grade_workers: int | None) -> list[bool]:
+    """Vision formats in-process (:func:`saopd.eval.vision.grade_vision`, which also sets the
+    sample's ``extracted``), the rest with math-verify in worker processes."""
+    from saopd.eval.math import grade_many
+    from saopd.eval.vision import grade_vision, is_vision_format
+
+    verdicts: list[bool | None] = [None] * len(samples)
+    math_idx = []
+    for i, s in enumerate(samples):
+        meta = problems[s["id"]].metadata
+        if is_vision_format(meta.get("format")):
+            res = grade_vision(s["response"], s["gold"], meta["format"], meta)
+            s["extracted"] = res.extracted
+            verdicts[i] = res.correct
+        else:
+            math_idx.append(i)
+    if math_idx:
+        graded = grade_many([(samples[i]["response"], samples[i]["gold"]) for i in math_idx],
+                            workers=grade_workers)
+        for i, ok in zip(math_idx, graded, strict=True):
+            verdicts[i] = bool(ok)
+    return [bool(v) for v in verdicts]
 
 
 def evaluate_benchmark(
@@ -86,7 +147,7 @@ def evaluate_benchmark(
     progress: Callable[[int], None] | None = None,
 ) -> BenchmarkResult:
     """Sample ``sampling.n`` responses per problem, grade them, return Avg@k and every sample."""
-    from saopd.eval.math import extract_answer, grade_many
+    from saopd.eval.math import extract_answer
 
     samples: list[dict[str, Any]] = []
     unfinished = 0
@@ -109,7 +170,7 @@ def evaluate_benchmark(
                             "tokens": len(r.response_ids)})
         if progress is not None:
             progress(len(part))
-    verdicts = grade_many([(s["response"], s["gold"]) for s in samples], workers=grade_workers)
+    verdicts = _grade(samples, {p.id: p for p in problems}, grade_workers)
     per_problem: dict[str, list[bool]] = {}
     for sample, ok in zip(samples, verdicts, strict=True):
         sample["correct"] = bool(ok)

@@ -83,6 +83,8 @@ def filter_stats(signals: TokenSignals, filtered: torch.Tensor, *, alpha: float 
         abs_a_filtered, abs_a_kept: mean |A_full| over F and over V \\ F.
         grounding_gap_filtered, grounding_gap_kept: mean Delta^IG over F and V \\ F (only when
             the residual signals exist).
+        entropy_student_filtered, entropy_student_kept: mean student entropy H_S over F and
+            V \\ F (only when the step computed H_S; the paper's Figure 3b).
         alpha, p1, p2: the adaptive scale and effective ratios (when the filter has them).
     Means over an empty set are reported as 0.0; the counts tell them apart.
     """
@@ -104,6 +106,10 @@ def filter_stats(signals: TokenSignals, filtered: torch.Tensor, *, alpha: float 
         gap = signals.grounding_gap
         stats["grounding_gap_filtered"] = _mean_over(gap, filtered)
         stats["grounding_gap_kept"] = _mean_over(gap, kept)
+    if signals.entropy_student is not None:
+        entropy = signals.entropy_student.detach()
+        stats["entropy_student_filtered"] = _mean_over(entropy, filtered)
+        stats["entropy_student_kept"] = _mean_over(entropy, kept)
     if p1 is not None:
         stats["p1"] = float(p1)
     if p2 is not None:

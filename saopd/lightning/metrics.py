@@ -19,6 +19,8 @@ FILTER_METRICS: dict[str, tuple[str, str | None]] = {
     "grounding_gap_kept": ("grounding_gap_kept", "n_kept"),
     "abs_a_filtered": ("abs_a_filtered", "n_filtered"),
     "abs_a_kept": ("abs_a_kept", "n_kept"),
+    "entropy_student_filtered": ("entropy_student_filtered", "n_filtered"),
+    "entropy_student_kept": ("entropy_student_kept", "n_kept"),
 }
 STEP_METRICS = ("loss", "kl", "response_length", "step_time", "tokens", "truncated_prompts",
                 "unfinished_responses")

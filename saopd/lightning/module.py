@@ -123,6 +123,10 @@ class StepConfig:
         truncation: prompts that do not fit: ``left`` (cut the prompt's start, counted) or
             ``error``.
         seed: seed of the step-level randomness (the random filter), combined with the step.
+        log_entropy: compute the student's entropy H_S at every response token even when the
+            filter and objective do not need it, to log the mean entropy of filtered vs kept
+            tokens (``train/entropy_student_filtered`` / ``_kept``; the paper's Figure 3b) and
+            keep it in the token records. Costs one extra pass over each logit chunk.
     """
 
     aggregation: str = "token-mean"
@@ -134,6 +138,7 @@ class StepConfig:
     max_length: int | None = None
     truncation: str = "left"
     seed: int = 0
+    log_entropy: bool = False
 
     def __post_init__(self) -> None:
         check_choice("aggregation", self.aggregation, AGGREGATIONS, owner="step")
@@ -228,7 +233,8 @@ class OPDModule(L.LightningModule):
         self.vocab_size = vocab_size
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
-        self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs)
+        extra = ("entropy_student",) if self.step_cfg.log_entropy else ()
+        self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs, extra)
         self.metrics = TrainMetrics()
         self.pending_rollouts: RolloutBatch | None = None
         self.step_started: float | None = None
@@ -407,6 +413,8 @@ class OPDModule(L.LightningModule):
             "valid": signals.valid.cpu(),
             "a_full": signals.a_full.cpu(),
             "a_res": signals.a_res.cpu() if signals.has_residual else None,
+            "entropy_student": (signals.entropy_student.detach().cpu()
+                                if signals.entropy_student is not None else None),
             "filtered": result.filtered.cpu(),
             "stats": dict(result.stats),
         }

@@ -26,6 +26,15 @@ template) and the model's ``generation_config.eos_token_id`` (Qwen lists ``<|im_
 ``<|endoftext|>``), unless ``eos_token_ids`` is given. A response that stops at once is
 ``[eos]`` (length 1, ``finished=True``); a response of length 0 cannot occur, since
 ``max_new_tokens >= 1`` and at least one token is always sampled.
+
+Vision-language models (``processor=``, a Qwen-VL processor from :mod:`saopd.models.vlm`): chats
+may hold image parts; each prompt is prepared by :func:`saopd.data.vision.encode_prompt` (the
+processor's chat template, every ``<|image_pad|>`` expanded to its image's token count), and
+``generate`` receives ``pixel_values`` ``[P, D]``, ``image_grid_thw`` ``[N, 3]`` and
+``mm_token_type_ids`` ``[rows, width]`` (the images of every row, row after row, repeated for the
+``n`` samples of a prompt), from which the model computes its 3D M-RoPE positions. Rollouts carry
+the expanded prompt ids. Left truncation never cuts an image (``ValueError``). Without a
+processor, behaviour is that of a text-only LM, unchanged.
 """
 
 from __future__ import annotations
@@ -187,6 +196,9 @@ class HFGenerateEngine:
         chat_template_kwargs: extra variables for the chat template (e.g.
             ``{"enable_thinking": False}`` for Qwen3).
         eos_token_ids: stop tokens; None = :func:`default_stop_token_ids`.
+        processor: a Qwen-VL processor (:func:`saopd.models.vlm.load_vlm_processor`) for a
+            vision-language student: chats may then hold image parts (module docstring). Its
+            tokenizer must be ``tokenizer``.
 
     Generation runs under ``torch.no_grad()`` with the model in eval mode; each submodule's
     train/eval mode is restored afterwards. With ``SamplingParams.seed`` set, the CPU RNG and the
@@ -209,6 +221,7 @@ class HFGenerateEngine:
         greedy: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        processor: Any | None = None,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(f"model must have a generate method, got {type(model).__name__}")
@@ -236,6 +249,23 @@ class HFGenerateEngine:
         pad = tokenizer.pad_token_id
         self.pad_token_id: int = int(pad) if pad is not None else stop[0]
         self.last_load_copied = 0  # tensors copied by the last load_weights call
+        self.processor: Any | None = None
+        if processor is not None:
+            self.set_processor(processor)
+
+    def set_processor(self, processor: Any,
+                      chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Sample from chats with images through ``processor`` (a Qwen-VL processor whose
+        tokenizer is the engine's); ``chat_template_kwargs`` replace the engine's when given."""
+        if getattr(processor, "tokenizer", None) is not self.tokenizer:
+            raise ValueError("HFGenerateEngine: the processor's tokenizer must be the engine's "
+                             "tokenizer (pass processor.tokenizer as tokenizer)")
+        if getattr(processor, "image_processor", None) is None:
+            raise ValueError(f"HFGenerateEngine: {type(processor).__name__} has no image "
+                             "processor (expected a Qwen-VL processor)")
+        self.processor = processor
+        if chat_template_kwargs is not None:
+            self.chat_template_kwargs = dict(chat_template_kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -244,7 +274,10 @@ class HFGenerateEngine:
         return param.device if param is not None else torch.device("cpu")
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The chat prompt rendered with the generation prompt, before any truncation."""
+        """The chat prompt rendered with the generation prompt, before any truncation (with a
+        processor: its image placeholders expanded)."""
+        if self.processor is not None:
+            return self._encode(messages).ids
         return render_prompt_ids(
             self.tokenizer,
             messages,
@@ -255,15 +288,29 @@ class HFGenerateEngine:
     # ------------------------------------------------------------------------------------------
     # generate
 
+    def _encode(self, messages: Sequence[Message]) -> Any:
+        from saopd.data.vision import encode_prompt
+
+        return encode_prompt(self.processor, messages,
+                             chat_template_kwargs=self.chat_template_kwargs)
+
     def _prepare_prompts(
         self, messages: Sequence[Sequence[Message]]
-    ) -> tuple[list[tuple[int, list[int]]], int, int]:
-        """(prompt index, ids) of the prompts to sample, and the truncated/skipped counts."""
+    ) -> tuple[list[tuple[int, list[int], Any]], int, int]:
+        """(prompt index, ids, vision prompt or None) of the prompts to sample, and the
+        truncated/skipped counts."""
         limit = self.max_prompt_length
-        kept: list[tuple[int, list[int]]] = []
+        kept: list[tuple[int, list[int], Any]] = []
         truncated = skipped = 0
         for i, chat in enumerate(messages):
-            ids = self.prompt_ids(chat)
+            if self.processor is None and any(
+                    isinstance(m.get("content"), list) and any(
+                        isinstance(p, Mapping) and p.get("type") == "image" for p in m["content"])
+                    for m in chat):
+                raise ValueError(f"prompt {i} holds images but the engine has no processor "
+                                 "(pass processor= for a vision-language model)")
+            vision = self._encode(chat) if self.processor is not None else None
+            ids = list(vision.ids) if vision is not None else self.prompt_ids(chat)
             if not ids:
                 raise ValueError(f"prompt {i} renders to no tokens")
             if limit is not None and len(ids) > limit:
@@ -275,9 +322,21 @@ class HFGenerateEngine:
                 if self.prompt_truncation == "skip":
                     skipped += 1
                     continue
+                if vision is not None and vision.num_images:
+                    from saopd.models.vlm import vision_token_ids
+
+                    special = {t for t in vision_token_ids(self.processor).values()
+                               if t is not None}
+                    if any(t in special for t in ids[: len(ids) - limit]):
+                        raise ValueError(
+                            f"prompt {i} has {len(ids)} tokens > max_prompt_length {limit}, "
+                            "and left truncation would cut into an image (image tokens "
+                            "cannot be truncated); raise max_prompt_length or lower the "
+                            "images' max_pixels"
+                        )
                 ids = ids[-limit:]
                 truncated += 1
-            kept.append((i, ids))
+            kept.append((i, ids, vision))
         return kept, truncated, skipped
 
     def _generation_config(self, sampling: SamplingParams) -> Any:
@@ -304,10 +363,31 @@ class HFGenerateEngine:
             )
         return GenerationConfig(**kwargs)
 
+    def _vision_kwargs(self, visions: Sequence[Any], input_ids: torch.Tensor,
+                       device: torch.device) -> dict[str, torch.Tensor]:
+        """``pixel_values`` [P, D], ``image_grid_thw`` [N, 3] (rows' images in row order) and
+        ``mm_token_type_ids`` [rows, width] for ``generate``; empty when no row has images."""
+        with_images = [v for v in visions if v is not None and v.num_images]
+        if not with_images:
+            return {}
+        from saopd.models.vlm import vision_token_ids
+
+        ids = vision_token_ids(self.processor)
+        types = torch.zeros_like(input_ids)
+        types[input_ids == ids["image"]] = 1
+        return {
+            "pixel_values": torch.cat([v.pixel_values for v in with_images]).to(device),
+            "image_grid_thw": torch.cat([v.image_grid_thw for v in with_images]).to(device),
+            "mm_token_type_ids": types.to(device),
+        }
+
     def _generate_rows(
-        self, rows: list[list[int]], sampling: SamplingParams, device: torch.device
+        self, rows: list[list[int]], sampling: SamplingParams, device: torch.device,
+        visions: Sequence[Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-pad ``rows``, generate; ``[R, T]`` new tokens and their raw log-probs (CPU)."""
+        """Left-pad ``rows``, generate; ``[R, T]`` new tokens and their raw log-probs (CPU).
+
+        ``visions[j]``: row j's :class:`~saopd.data.vision.VisionPrompt` (or None)."""
         from transformers import LogitsProcessorList
 
         width = max(len(r) for r in rows)
@@ -317,6 +397,7 @@ class HFGenerateEngine:
             input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[j, width - len(ids) :] = 1
         config = self._generation_config(sampling)
+        extra = self._vision_kwargs(visions or [], input_ids, device)
         recorder = _RawLogprobRecorder()
         model = self.model
         saved_config = getattr(model, "generation_config", None)
@@ -328,6 +409,7 @@ class HFGenerateEngine:
                 attention_mask=attention_mask.to(device),
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
+                **extra,
             )
         finally:
             model.generation_config = saved_config
@@ -382,9 +464,10 @@ class HFGenerateEngine:
         with _seeded(sampling.seed, device), _eval_mode(self.model), torch.no_grad():
             for start in range(0, len(kept), chunk):
                 part = kept[start : start + chunk]
-                index = [i for i, _ in part for _ in range(sampling.n)]
-                rows = [ids for _, ids in part for _ in range(sampling.n)]
-                tokens, logprobs = self._generate_rows(rows, sampling, device)
+                index = [i for i, _, _ in part for _ in range(sampling.n)]
+                rows = [ids for _, ids, _ in part for _ in range(sampling.n)]
+                visions = [v for _, _, v in part for _ in range(sampling.n)]
+                tokens, logprobs = self._generate_rows(rows, sampling, device, visions)
                 batch.rollouts.extend(self._to_rollouts(index, rows, tokens, logprobs))
         return batch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from fractions import Fraction
@@ -188,6 +189,16 @@ def test_filter_stats_describe_the_set() -> None:
     assert st_["grounding_gap_kept"] == pytest.approx((0.1 + 3.0 + 0.0 + 0.2 + 2.0) / 5, abs=1e-6)
     assert res.keep.tolist() == [[False, True, True, True, True, True, False]]
     assert res.filtered.tolist() == mask_of({0})
+    assert "entropy_student_filtered" not in st_  # no H_S computed, none reported
+
+
+def test_filter_stats_entropy_of_filtered_and_kept() -> None:
+    """F = {t0} on the hand batch; H_S = 0.5 at t0, 1..5 at t1..t5, 9 at the padding column."""
+    signals = dataclasses.replace(
+        hand_signals(), entropy_student=torch.tensor([[0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0]]))
+    st_ = build_filter("sa_opd", p1=0.5, p2=0.5)(signals).stats
+    assert st_["entropy_student_filtered"] == pytest.approx(0.5)
+    assert st_["entropy_student_kept"] == pytest.approx(3.0)  # padding's 9 never enters
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from saopd.train import train
 
 REQUIRED_METRICS = ("train/loss", "train/flmr", "train/filtered_ratio", "train/alpha",
                     "train/kl", "train/grounding_gap_filtered", "train/grounding_gap_kept",
-                    "train/response_length", "train/step_time")
+                    "train/response_length", "train/step_time", "train/entropy_student_kept")
 
 
 def student_weights(ckpt: Path) -> dict[str, torch.Tensor]:

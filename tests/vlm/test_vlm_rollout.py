@@ -1,0 +1,79 @@
+"""HF generate with images: a left-padded mixed batch (image, two images, text only) samples what
+each prompt alone samples, rollouts carry the expanded prompt, and the sampler's log-probs equal
+the teacher-forced log-probs of the training contexts (same 3D positions in both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vlm_testing import chats, tiny_pair
+
+from saopd.data.contexts import render_prompt_ids
+from saopd.data.vision import collate_vision_contexts, encode_prompt
+from saopd.rollout import HFGenerateEngine, SamplingParams
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5"])
+def test_batched_image_rollouts_match_single_prompts_and_scoring(kind: str) -> None:
+    model, proc = tiny_pair(kind)
+    engine = HFGenerateEngine(model, proc.tokenizer, processor=proc, greedy=True)
+    sampling = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    batch = engine.generate(chats(), sampling)
+    assert [r.prompt_index for r in batch.rollouts] == [0, 0, 1, 1, 2, 2]
+    for j, chat in enumerate(chats()):
+        expanded = encode_prompt(proc, chat).ids
+        assert batch.rollouts[2 * j].prompt_ids == expanded
+        alone = engine.generate([chat], SamplingParams(n=1, max_new_tokens=6, seed=0))
+        assert alone.rollouts[0].response_ids == batch.rollouts[2 * j].response_ids
+    image_tokens = [sum(t == proc.image_token_id for t in r.prompt_ids) for r in batch.rollouts]
+    assert image_tokens[0] > 0 and image_tokens[2] > image_tokens[0] and image_tokens[4] == 0
+
+    ctx = collate_vision_contexts(proc, batch.row_messages(),
+                                  [r.response_ids for r in batch.rollouts],
+                                  prompt_ids=[r.prompt_ids for r in batch.rollouts])
+    with torch.no_grad():
+        logits = model(**ctx.full.model_inputs()).logits
+    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
+    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
+    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])
+    torch.testing.assert_close(lp[ctx.response_mask], sampler[ctx.response_mask], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_sampled_rollouts_with_images_are_seeded() -> None:
+    model, proc = tiny_pair("qwen2_vl")
+    engine = HFGenerateEngine(model, proc.tokenizer, processor=proc)
+    sampling = SamplingParams(n=2, max_new_tokens=8, seed=7)
+    a, b = engine.generate(chats()[:2], sampling), engine.generate(chats()[:2], sampling)
+    assert [r.response_ids for r in a.rollouts] == [r.response_ids for r in b.rollouts]
+    assert all(1 <= len(r.response_ids) <= 8 for r in a.rollouts)
+
+
+def test_text_only_prompts_and_engines_without_processor_are_unchanged() -> None:
+    model, proc = tiny_pair("qwen2_vl")
+    text_chat = chats()[2]
+    plain = HFGenerateEngine(model, proc.tokenizer, greedy=True)
+    with_proc = HFGenerateEngine(model, proc.tokenizer, greedy=True, processor=proc)
+    assert with_proc.prompt_ids(text_chat) == render_prompt_ids(proc.tokenizer, text_chat)
+    s = SamplingParams(n=1, max_new_tokens=5, seed=0)
+    assert plain.generate([text_chat], s).rollouts[0].response_ids == \
+        with_proc.generate([text_chat], s).rollouts[0].response_ids
+
+
+def test_truncation_never_cuts_an_image_and_bad_processors_are_refused() -> None:
+    model, proc = tiny_pair("qwen2_vl")
+    n = len(encode_prompt(proc, chats()[0]).ids)
+    engine = HFGenerateEngine(model, proc.tokenizer, processor=proc, max_prompt_length=n - 8,
+                              prompt_truncation="left")
+    with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens .*would cut into an image"):
+        engine.generate(chats()[:1], SamplingParams(max_new_tokens=2))
+    skip = HFGenerateEngine(model, proc.tokenizer, processor=proc, max_prompt_length=n - 8,
+                            prompt_truncation="skip")
+    assert skip.generate(chats()[:1], SamplingParams(max_new_tokens=2)).num_skipped_prompts == 1
+    from saopd.models.vlm import tiny_vlm_tokenizer
+
+    with pytest.raises(ValueError, match=r"the processor's tokenizer must be the engine's"):
+        HFGenerateEngine(model, tiny_vlm_tokenizer(), processor=proc)
+    with pytest.raises(ValueError, match=r"prompt 0 holds images but the engine has no "
+                                         r"processor"):
+        HFGenerateEngine(model, proc.tokenizer).generate(chats()[:1], SamplingParams())
