@@ -89,6 +89,7 @@ __all__ = [
     "message_text",
     "prompt_length",
     "read_vision_rows",
+    "render_prompt_text",
     "validate_messages",
     "vision_records",
     "vision_residual_messages",
@@ -338,6 +339,19 @@ def _render(processor: Any, messages: Sequence[Mapping[str, Any]], add_generatio
     return tok.apply_chat_template([dict(m) for m in messages], chat_template=template,
                                    tokenize=False, add_generation_prompt=add_generation_prompt,
                                    **dict(chat_template_kwargs or {}))
+
+
+def render_prompt_text(
+    processor: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """The chat rendered by the processor's template with the generation prompt, *before* image
+    expansion (one ``<|vision_start|><|image_pad|><|vision_end|>`` per image part). This is the
+    ``"prompt"`` of a vLLM multimodal request, ``{"prompt": text, "multi_modal_data": {"image":
+    [load_image(r) for r in message_images(messages)]}}``; vLLM expands the placeholders itself."""
+    return _render(processor, messages, True, chat_template_kwargs)
 
 
 def image_token_count(processor: Any, prompt: VisionPrompt) -> int:

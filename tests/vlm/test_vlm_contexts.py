@@ -172,3 +172,15 @@ def test_prompt_length_counts_image_tokens_without_decoding_pixels(kind: str) ->
     with pytest.raises(ValueError, match=r"1 of 3 prompts exceed max_prompt_length .* with "
                                          r"their image tokens"):
         filter_long_vision_prompts(records, proc, limit, mode="error")
+
+
+def test_unexpanded_prompt_text_for_vllm_has_one_placeholder_per_image() -> None:
+    from saopd.data.vision import render_prompt_text
+
+    _, proc = tiny_pair("qwen2_vl")
+    for chat in chats():
+        text = render_prompt_text(proc, chat)
+        assert text.count("<|image_pad|>") == len(message_images(chat))
+        enc = proc(text=[text], images=message_images(chat) or None, return_tensors="pt",
+                   add_special_tokens=False)
+        assert enc["input_ids"][0].tolist() == encode_prompt(proc, chat).ids
