@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from saopd.models.loading import load_causal_lm, load_tokenizer, prune_layers
+from saopd.models.planted import PlantedConfig, plant_priors
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.vlm import TINY_VLM_KINDS
 
@@ -45,6 +46,9 @@ class ModelConfig:
             checkpoint's; tiny models: 4 and 16 image tokens). Each image token covers
             ``(merge_size * patch_size)**2`` pixels (28x28 for Qwen2/2.5-VL, 32x32 for Qwen3-VL
             and Qwen3.5).
+        planted: wrap the model in :class:`saopd.models.planted.PlantedPriorLM`, a teacher
+            with a known spurious prior and a known grounded bias (the planted-prior testbed,
+            ``experiments/planted_prior``); text models only.
     """
 
     name_or_path: str | None = None
@@ -61,6 +65,7 @@ class ModelConfig:
     tiny_tokenizer: str = "tiny"
     min_pixels: int | None = None
     max_pixels: int | None = None
+    planted: PlantedConfig | None = None
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.tiny is None):
@@ -80,6 +85,8 @@ class ModelConfig:
         if not self.is_vision and (self.min_pixels is not None or self.max_pixels is not None):
             raise ValueError("model.min_pixels / max_pixels apply to vision-language models only "
                              "(set model.vision: true or a tiny vision kind)")
+        if self.is_vision and self.planted is not None:
+            raise ValueError("model.planted applies to text models only")
 
     @property
     def is_vision(self) -> bool:
@@ -108,6 +115,8 @@ def build_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
                                    revision=cfg.revision)
     if cfg.prune_every is not None or cfg.prune_keep is not None:
         model = prune_layers(model, keep=cfg.prune_keep, every=cfg.prune_every)
+    if cfg.planted is not None:
+        model = plant_priors(model, tokenizer, cfg.planted)
     return model, tokenizer
 
 

@@ -104,8 +104,14 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
 
     Returns an :class:`LMHead` over hidden states ``[B, R, H]`` (or gathered :class:`Logits`
     ``[B, R, V]`` for heads with extra transforms). ``vocab_size`` keeps only the first V rows of
-    the head, for teacher/student pairs whose heads are padded to different sizes.
+    the head, for teacher/student pairs whose heads are padded to different sizes. A model that
+    changes its logits in a way the backbone + head reading would miss (a per-context bias, e.g.
+    :class:`saopd.models.planted.PlantedPriorLM`) provides ``response_logit_source(ctx,
+    vocab_size=...)`` with this contract, and it is used instead.
     """
+    custom = getattr(model, "response_logit_source", None)
+    if callable(custom):
+        return custom(ctx, vocab_size=vocab_size)
     index = ctx.gather_index  # [B, R]
     if _plain_head(model):
         backbone = model.base_model if hasattr(model, "base_model") else model.model
