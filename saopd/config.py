@@ -23,7 +23,9 @@ from saopd.models.factory import ModelConfig
 LONG_PROMPT_MODES = ("skip", "error", "truncate")
 DATA_SOURCES = ("gsm8k", "prepared", "vision")
 VISION_RESIDUAL_MODES = ("all", "image", "text")  # saopd.data.vision (kept torch-free here)
-ENGINES = ("hf",)
+ENGINES = ("hf", "vllm")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SYNC_TRANSPORTS = ("auto", "iterator", "files")  # saopd.rollout.vllm (kept vllm-free here)
 LOGGERS = ("mlflow", "none")
 
 
@@ -41,12 +43,38 @@ class RolloutConfig:
     """Sampling of the student's responses (one call per step).
 
     Attributes:
-        engine: ``hf`` (transformers ``generate``; vLLM arrives with the scale-out work).
+        engine: ``hf`` (transformers ``generate`` on the live student, CPU/GPU) or ``vllm``
+            (:class:`saopd.rollout.vllm.VLLMEngine`: a vLLM copy of the student, synced after
+            every step; needs the ``vllm`` package, see the README).
         n: responses per prompt.
         temperature, top_p: sampling (the paper: 1.0, 1.0 in training).
         max_new_tokens: response length limit.
-        batch_size: prompts per ``generate`` call (None = all of the step's prompts).
+        batch_size: ``hf`` only: prompts per ``generate`` call (None = all of the step's
+            prompts; vLLM schedules its own batches).
         greedy: argmax decoding instead of sampling (debugging, evaluation).
+        importance_ratio_cap: the default of the sampled objectives' ``importance_ratio_cap``
+            (``conf/objective/{sampled,exopd}.yaml`` read it): the truncated importance ratio
+            corrects the sampler/trainer mismatch; null with ``hf`` (sampler == trainer), 5.0
+            with ``vllm``.
+
+    vLLM only (ignored by ``hf``):
+        dtype: ``auto`` (the student's) | ``float32`` | ``bfloat16`` | ``float16``.
+        max_model_len: prompt + response limit (null = the model's).
+        gpu_memory_utilization: memory fraction for weights + KV cache, in (0, 1] (on the CPU
+            backend: of the machine's RAM).
+        kv_cache_gb: KV-cache size in GiB instead of the fraction (null = use the fraction).
+        enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
+        tensor_parallel_size: GPUs the engine shards the model over.
+        enable_sleep_mode, sleep_level: sleep between rollouts to free GPU memory for the step
+            (level 1 offloads weights to CPU; level 2 drops them: reported to return stale
+            weights after wake-up, keep ``verify_sync`` on). GPU only.
+        weight_bucket_mb: size of the buckets a weight sync gathers (FSDP) and ships in, MiB.
+        sync_transport: ``auto`` | ``iterator`` (tensors through ``collective_rpc``, in-process
+            only) | ``files`` (safetensors shards in ``/dev/shm``).
+        in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        verify_sync: check that every sync landed (cheap sums of embeddings and norms).
+        model_dir: where the initial student is saved for vLLM (null = a temporary folder in
+            ``/dev/shm``, removed at exit).
     """
 
     engine: str = "hf"
@@ -56,6 +84,20 @@ class RolloutConfig:
     max_new_tokens: int = 256
     batch_size: int | None = None
     greedy: bool = False
+    importance_ratio_cap: float | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_gb: float | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    sleep_level: int = 1
+    weight_bucket_mb: int = 512
+    sync_transport: str = "auto"
+    in_process: bool = True
+    verify_sync: bool = True
+    model_dir: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES, owner="rollout")
@@ -64,6 +106,20 @@ class RolloutConfig:
         _positive_int("rollout", "batch_size", self.batch_size, allow_none=True)
         check_positive("temperature", self.temperature, owner="rollout")
         check_fraction("top_p", self.top_p, owner="rollout")
+        if self.importance_ratio_cap is not None:
+            check_positive("importance_ratio_cap", self.importance_ratio_cap, owner="rollout")
+        check_choice("dtype", self.dtype, VLLM_DTYPES, owner="rollout")
+        _positive_int("rollout", "max_model_len", self.max_model_len, allow_none=True)
+        check_fraction("gpu_memory_utilization", self.gpu_memory_utilization, owner="rollout")
+        if self.gpu_memory_utilization == 0:
+            raise ValueError("rollout.gpu_memory_utilization must be in (0, 1], got 0")
+        if self.kv_cache_gb is not None:
+            check_positive("kv_cache_gb", self.kv_cache_gb, owner="rollout")
+        _positive_int("rollout", "tensor_parallel_size", self.tensor_parallel_size)
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"rollout.sleep_level must be 1 or 2, got {self.sleep_level!r}")
+        _positive_int("rollout", "weight_bucket_mb", self.weight_bucket_mb)
+        check_choice("sync_transport", self.sync_transport, SYNC_TRANSPORTS, owner="rollout")
 
 
 @dataclass

@@ -189,7 +189,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     from saopd.models import check_same_vocabulary
     from saopd.models.factory import build_model
     from saopd.rollout.base import SamplingParams
-    from saopd.rollout.hf import HFGenerateEngine
+    from saopd.rollout.factory import build_engine, holds_weights
 
     try:
         conf = to_train_config(cfg)
@@ -221,11 +221,13 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
                               top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
                               seed=conf.seed)
-    engine = HFGenerateEngine(
-        student, tokenizer, batch_size=conf.rollout.batch_size, greedy=conf.rollout.greedy,
-        max_prompt_length=conf.data.max_prompt_length,
-        prompt_truncation="left" if conf.data.long_prompts == "truncate" else "error",
-    )
+    try:
+        engine = build_engine(
+            conf.rollout, student, tokenizer, max_prompt_length=conf.data.max_prompt_length,
+            prompt_truncation="left" if conf.data.long_prompts == "truncate" else "error",
+            seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes)
+    except (ImportError, ValueError) as err:
+        raise UserError(f"rollout: {err}") from None
     module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
                        token_filter=token_filter, objective=objective, reference=reference,
                        optim=conf.optim, step=conf.step, total_steps=conf.steps,
@@ -237,7 +239,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
 
     loggers, run_info = _make_logger(conf, out_dir, resuming=ckpt is not None)
     callbacks: list[L.Callback] = [
-        RolloutCallback(engine, sampling),
+        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
         ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
                         every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
                         save_last=True, save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
@@ -350,4 +352,3 @@ def _format_summary(summary: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     main()
-

@@ -36,6 +36,11 @@ class RolloutCallback(L.Callback):
             sampling = dataclasses.replace(sampling, seed=seed)
         pl_module.pending_rollouts = self.engine.generate(batch["messages"], sampling)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        # the engine copied the student before a resumed checkpoint was loaded into it
+        if self.sync_weights:
+            self.engine.load_weights(pl_module.student.named_parameters())
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self.sync_weights:

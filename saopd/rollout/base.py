@@ -19,6 +19,9 @@ from saopd._checks import check_fraction, check_positive
 
 Message = dict[str, Any]
 
+# What an engine does with a prompt longer than its limit (see :func:`limit_prompts`).
+PROMPT_TRUNCATION_MODES = ("left", "error", "skip")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -109,6 +112,46 @@ class RolloutBatch:
             lp = r.sampler_logprobs or []
             out[i, : len(lp)] = torch.tensor(lp[:length])
         return out
+
+
+def limit_prompts(
+    prompt_ids: Sequence[Sequence[int]], max_prompt_length: int | None, mode: str
+) -> tuple[list[tuple[int, list[int]]], int, int]:
+    """Apply a prompt-length limit the way every engine does.
+
+    Args:
+        prompt_ids: each prompt's rendered token ids, in batch order.
+        max_prompt_length: the limit (None = no limit).
+        mode: ``"left"`` keeps a longer prompt's last ``max_prompt_length`` tokens, ``"error"``
+            raises ``ValueError`` naming the prompt, ``"skip"`` drops it.
+
+    Returns:
+        ``(kept, num_truncated, num_skipped)``: ``kept`` lists ``(prompt index, ids)`` of the
+        prompts to sample, in order.
+    """
+    if mode not in PROMPT_TRUNCATION_MODES:
+        raise ValueError(
+            f"prompt_truncation must be one of {list(PROMPT_TRUNCATION_MODES)}, got {mode!r}"
+        )
+    kept: list[tuple[int, list[int]]] = []
+    truncated = skipped = 0
+    for i, ids in enumerate(prompt_ids):
+        ids = list(ids)
+        if not ids:
+            raise ValueError(f"prompt {i} renders to no tokens")
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if mode == "error":
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens > max_prompt_length {max_prompt_length}; "
+                    "pass prompt_truncation='left' or 'skip'"
+                )
+            if mode == "skip":
+                skipped += 1
+                continue
+            ids = ids[-max_prompt_length:]
+            truncated += 1
+        kept.append((i, ids))
+    return kept, truncated, skipped
 
 
 @runtime_checkable

