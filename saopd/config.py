@@ -174,8 +174,17 @@ class TrainerConfig:
     """Lightning ``Trainer`` settings.
 
     Attributes:
-        accelerator, devices, num_nodes, strategy, precision: as in Lightning
+        accelerator, devices, num_nodes, precision: as in Lightning
             (``precision``: ``32-true`` on CPU, ``bf16-mixed`` on GPU).
+        strategy: ``auto`` (one process), ``ddp`` (data parallel, whole models on every rank)
+            or ``fsdp`` (FSDP2 via Lightning's ``ModelParallelStrategy``: student, teacher and
+            reference each sharded per decoder layer); any other Lightning strategy name is
+            passed through. Multi-node: ``num_nodes`` with torchrun or SLURM (README).
+        process_group_backend: ``nccl`` / ``gloo`` (None = Lightning's choice: nccl on GPU,
+            gloo on CPU).
+        activation_checkpointing: recompute the student's decoder layers in backward.
+        fsdp_mixed_precision: with ``strategy=fsdp``: ``bf16`` (compute in bfloat16, fp32 master
+            weights and gradient reduction) or null; use it with ``precision: 32-true``.
         checkpoint_every_n_steps: save a checkpoint (and ``last.ckpt``) this often.
         keep_all_checkpoints: keep every periodic checkpoint (default: only the latest one and
             ``last.ckpt``; a student with AdamW state is ~3x its weights).
@@ -188,6 +197,9 @@ class TrainerConfig:
     num_nodes: int = 1
     strategy: str = "auto"
     precision: str = "32-true"
+    process_group_backend: str | None = None
+    activation_checkpointing: bool = False
+    fsdp_mixed_precision: str | None = None
     checkpoint_every_n_steps: int = 10
     keep_all_checkpoints: bool = False
     view_every_n_steps: int = 10
@@ -196,6 +208,13 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _positive_int("trainer", "checkpoint_every_n_steps", self.checkpoint_every_n_steps)
         _positive_int("trainer", "num_nodes", self.num_nodes)
+        check_choice("process_group_backend", self.process_group_backend,
+                     (None, "nccl", "gloo"), owner="trainer")
+        check_choice("fsdp_mixed_precision", self.fsdp_mixed_precision, (None, "bf16"),
+                     owner="trainer")
+        if self.fsdp_mixed_precision is not None and self.strategy != "fsdp":
+            raise ValueError("trainer.fsdp_mixed_precision applies to trainer.strategy=fsdp "
+                             f"only (strategy is {self.strategy!r}); use trainer.precision")
         if not isinstance(self.view_every_n_steps, int) or self.view_every_n_steps < 0:
             raise ValueError(
                 f"trainer.view_every_n_steps must be an int >= 0, got {self.view_every_n_steps!r}"
@@ -268,6 +287,10 @@ class TrainConfig:
 
     Attributes:
         experiment_name: names the MLflow experiment and the output folder.
+        study: the study (``experiments/<study>``) this run belongs to; tagged on its MLflow
+            run, with the sweep it ran in, so ``saopd-report --tag study=<name>`` finds it.
+        method: the method's table label (``conf/method/*.yaml``: OPD, ExOPD, TIP, FiRe-OPD,
+            SA-OPD), tagged ``method`` on the MLflow run; null = derived from filter/objective.
         seed: seeds model init, prompt order, sampling and the random filter.
         steps: optimizer steps (one rollout batch each).
         prompts_per_step: prompts per step (x ``rollout.n`` responses).
@@ -290,6 +313,8 @@ class TrainConfig:
     eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     experiment_name: str = "default"
+    study: str | None = None
+    method: str | None = None
     seed: int = 0
     steps: int = 10
     prompts_per_step: int = 4

@@ -31,7 +31,8 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -175,14 +176,41 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
         db.parent.mkdir(parents=True, exist_ok=True)
         safe = re.sub(r"[^\w.\-]+", "_", experiment_name).strip("._") or "experiment"
         artifact_location = (Path(root).expanduser().resolve() / "mlartifacts" / safe).as_uri()
-    logger = ResumableMLFlowLogger(
-        experiment_name=experiment_name, run_name=run_name, tracking_uri=uri,
-        tags=dict(tags) if tags else None,
-        artifact_location=artifact_location, run_id=run_id, skip_logged_steps=skip_logged_steps,
-    )
-    if run_id is not None and rank_zero_only.rank == 0:
-        _reopen_run(logger, run_id)
+    def build() -> ResumableMLFlowLogger:
+        return ResumableMLFlowLogger(
+            experiment_name=experiment_name, run_name=run_name, tracking_uri=uri,
+            tags=dict(tags) if tags else None, artifact_location=artifact_location,
+            run_id=run_id, skip_logged_steps=skip_logged_steps,
+        )
+
+    if rank_zero_only.rank != 0:
+        return build()
+    with store_lock(uri):
+        logger = build()
+        if run_id is None:
+            _ = logger.run_id  # creates the experiment and the run now, under the lock
+        else:
+            _reopen_run(logger, run_id)
     return logger
+
+
+@contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an inter-process lock on a local SQLite store (no-op for other stores).
+
+    Parallel sweep jobs (``hydra/launcher=joblib``) may open a new SQLite store at the same
+    moment: its schema migration and an experiment's creation are not safe to race, so one
+    process at a time opens the store and creates experiments and runs under this lock.
+    """
+    db = _sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    from filelock import FileLock
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".lock"):
+        yield
 
 
 def _reopen_run(logger: MLFlowLogger, run_id: str) -> None:

@@ -231,13 +231,18 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
                        token_filter=token_filter, objective=objective, reference=reference,
                        optim=conf.optim, step=conf.step, total_steps=conf.steps,
-                       vocab_size=vocab.common_logits)
+                       vocab_size=vocab.common_logits,
+                       activation_checkpointing=conf.trainer.activation_checkpointing,
+                       fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision)
     if processor is not None:
         _attach_vision(conf, engine, module, processor)
     data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                             num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
 
-    loggers, run_info = _make_logger(conf, out_dir, resuming=ckpt is not None)
+    # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
+    zero = _global_rank() == 0
+    loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None) if zero
+                         else ([], {}))
     callbacks: list[L.Callback] = [
         RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
         ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
@@ -252,11 +257,12 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     callbacks.extend(extra_callbacks or [])
     trainer = L.Trainer(
         accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
-        num_nodes=conf.trainer.num_nodes, strategy=conf.trainer.strategy,
+        num_nodes=conf.trainer.num_nodes, strategy=_strategy(conf),
         precision=conf.trainer.precision, max_steps=conf.steps, logger=loggers,
         callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0,
         limit_val_batches=0, enable_progress_bar=conf.trainer.progress_bar,
         enable_model_summary=False, default_root_dir=str(out_dir),
+        use_distributed_sampler=False,  # PromptDataModule splits each step's batch by rank
     )
     if loggers and ckpt is None:
         from saopd.tracking import log_resolved_config
@@ -271,8 +277,52 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
                "last_checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
                "metrics": metrics, "data": data_counts,
                "seconds": round(time.perf_counter() - started, 1)}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if trainer.is_global_zero:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _global_rank() -> int:
+    """This process's global rank as the launcher set it (0 before any launch)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return int(getattr(rank_zero_only, "rank", 0) or 0)
+
+
+def _world_size(conf: TrainConfig) -> int:
+    """Processes over all nodes: ``trainer.devices`` (a count, a list, or -1/"auto") x nodes."""
+    devices = conf.trainer.devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if devices in (-1, "auto"):
+        if conf.trainer.accelerator in ("gpu", "cuda", "auto"):
+            import torch
+
+            devices = torch.cuda.device_count()
+        else:
+            raise UserError("trainer.strategy=fsdp on CPU needs trainer.devices as a number")
+    count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+    if count < 1:
+        raise UserError(f"trainer.devices: no devices ({conf.trainer.devices!r})")
+    return count * conf.trainer.num_nodes
+
+
+def _strategy(conf: TrainConfig) -> Any:
+    """The Lightning strategy of ``trainer.strategy`` (``ddp``, ``fsdp`` or a Lightning name)."""
+    t = conf.trainer
+    if t.strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=t.process_group_backend)
+    if t.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # One file per checkpoint with the student only (see OPDModule.on_save_checkpoint), as
+        # in single-process runs, so that resuming and saopd-eval read it the same way.
+        return ModelParallelStrategy(data_parallel_size=_world_size(conf), tensor_parallel_size=1,
+                                     save_distributed_checkpoint=False,
+                                     process_group_backend=t.process_group_backend)
+    return t.strategy
 
 
 def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
@@ -304,8 +354,12 @@ def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
     name = conf.logger.experiment_name or conf.experiment_name
     run_name = conf.logger.run_name or (
         f"{conf.experiment_name}-{conf.filter['name']}-{conf.objective['name']}-s{conf.seed}")
+    from saopd.sweeps import sweep_tags
+
     tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
-            "objective": conf.objective["name"], "seed": str(conf.seed), **conf.logger.tags}
+            "objective": conf.objective["name"], "seed": str(conf.seed), **sweep_tags(),
+            **({"study": conf.study} if conf.study else {}),
+            **({"method": conf.method} if conf.method else {}), **conf.logger.tags}
     logger = make_mlflow_logger(experiment_name=name, tracking_uri=uri, run_name=run_name,
                                 run_id=previous.get("run_id"), tags=tags,
                                 root=Path(conf.paths.root))
@@ -318,15 +372,67 @@ register_schema()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point (``saopd-train``)."""
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    """Hydra entry point (``saopd-train``); returns the run's summary (None if it failed).
+
+    A single run that fails exits with status 2 (configuration) or re-raises. In a sweep
+    (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes
+    on; :class:`saopd.sweeps.SweepSummary` reports the failures when the sweep ends.
+    """
+    from saopd.sweeps import is_multirun
+
     try:
         summary = train(cfg)
-    except UserError as err:
+    except Exception as err:
+        if is_multirun():
+            _record_failed_job(cfg, err)
+            return None
+        if not isinstance(err, UserError):
+            raise
         log.error("%s", err)
         print(f"saopd-train: error: {err}", file=sys.stderr)
         sys.exit(2)
     print(_format_summary(summary))
+    return summary
+
+
+def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
+    """A failed sweep job: log it, write FAILED.json, and mark (or make) its MLflow run FAILED."""
+    from saopd.sweeps import record_job_failure, sweep_tags
+
+    log.error("sweep job failed: %s: %s", type(err).__name__, err,
+              exc_info=not isinstance(err, UserError))
+    job_dir = Path(str(cfg.paths.output_dir))
+    info = record_job_failure(job_dir, err)
+    if cfg.logger.kind != "mlflow":
+        return
+    try:
+        import mlflow
+
+        from saopd.tracking import default_tracking_uri, store_lock
+
+        record = job_dir / RUN_RECORD
+        previous = json.loads(record.read_text()) if record.is_file() else {}
+        uri = (previous.get("tracking_uri") or cfg.logger.tracking_uri
+               or default_tracking_uri(str(cfg.paths.root)))
+        with store_lock(uri):
+            client = mlflow.MlflowClient(uri)
+            run_id = previous.get("run_id")
+            if run_id is None:  # failed before training made a run: make one, so that every
+                name = cfg.logger.experiment_name or cfg.experiment_name  # job is in MLflow
+                exp = client.get_experiment_by_name(name)
+                exp_id = exp.experiment_id if exp else client.create_experiment(name)
+                tags = {"experiment": str(cfg.experiment_name),
+                        "filter": str(cfg.filter.get("name")),
+                        "objective": str(cfg.objective.get("name")), "seed": str(cfg.seed),
+                        **sweep_tags(),
+                        **{k: str(cfg.get(k)) for k in ("study", "method") if cfg.get(k)},
+                        **{k: str(v) for k, v in (cfg.logger.tags or {}).items()}}
+                run_id = client.create_run(exp_id, tags=tags).info.run_id
+            client.set_tag(run_id, "error", info["error"][:5000])
+            client.set_terminated(run_id, status="FAILED")
+    except Exception as mlflow_err:  # the failure is already in FAILED.json and the log
+        log.warning("could not record the failed job in MLflow: %s", mlflow_err)
 
 
 def _format_summary(summary: dict[str, Any]) -> str:
@@ -352,3 +458,4 @@ def _format_summary(summary: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     main()
+

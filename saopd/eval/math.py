@@ -703,6 +703,24 @@ def grade_many_detailed(
         workers = 0
     if workers == 0:
         return [grade_detailed(r, g, timeout_s=timeout_s) for r, g in items]
+    try:
+        return _grade_in_workers(items, workers, timeout_s, chunk_size, mp_context,
+                                 startup_timeout_s)
+    except _WorkerStartError as err:
+        # e.g. inside a joblib/loky worker (a parallel sweep job), where children cannot be
+        # started with spawn/forkserver: grade here instead (no hard kill of stuck C code)
+        logger.warning("%s; grading %d responses in this process instead", err, n)
+        return [grade_detailed(r, g, timeout_s=timeout_s) for r, g in items]
+
+
+class _WorkerStartError(RuntimeError):
+    """No grading worker process could be started."""
+
+
+def _grade_in_workers(items: list[tuple[str | None, object]], workers: int | None,
+                      timeout_s: float | None, chunk_size: int | None, mp_context: str | None,
+                      startup_timeout_s: float) -> list[GradeResult]:
+    n = len(items)
     n_workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     if chunk_size is None:
         chunk_size = max(1, min(64, -(-n // (4 * n_workers))))
@@ -737,7 +755,7 @@ def grade_many_detailed(
                 break
         if not worker.ready:
             worker.stop(kill=True)
-            raise RuntimeError(f"a grading worker {why} before it started")
+            raise _WorkerStartError(f"a grading worker {why} before it started")
         if worker.pending:
             idx = worker.pending.popleft()
             logger.warning("grading worker %s on response %d: counted as timed out", why, idx)
@@ -775,7 +793,8 @@ def grade_many_detailed(
             now = time.monotonic()
             for i, worker in enumerate(pool):
                 if not worker.ready and now - worker.started > startup_timeout_s:
-                    raise RuntimeError(f"a grading worker did not start in {startup_timeout_s} s")
+                    raise _WorkerStartError(
+                        f"a grading worker did not start in {startup_timeout_s} s")
                 if hard_limit and worker.pending and now - worker.last_progress > hard_limit:
                     replace(i, f"was stuck for {hard_limit:.0f} s")
     finally:

@@ -177,6 +177,19 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
             m.training = training
 
 
+def _sharded_across_ranks(model: torch.nn.Module) -> bool:
+    """True for an FSDP2-sharded model in a multi-rank process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 class HFGenerateEngine:
     """Samples rollouts from a live HF causal LM (the student being trained).
 
@@ -410,6 +423,9 @@ class HFGenerateEngine:
                 generation_config=config,
                 logits_processor=LogitsProcessorList([recorder]),
                 **extra,
+                # a sharded (FSDP2) student gathers weights collectively at every forward: keep
+                # all ranks generating until the last one is done, or they deadlock
+                synced_gpus=_sharded_across_ranks(model),
             )
         finally:
             model.generation_config = saved_config

@@ -369,3 +369,18 @@ def test_gsm8k_golds_match_themselves() -> None:
     assert all(grade(f"So the answer is {r['answer'].split('####')[-1].strip()}.", r["answer"])
                for r in rows)
     assert not any(grade(boxed("-1"), r["answer"]) for r in rows)
+
+
+def _grade_in_loky_worker() -> list[bool]:
+    from saopd.eval.math import grade_many
+
+    return grade_many([("\\boxed{2}", "2"), ("\\boxed{3}", "2")], workers=1)
+
+
+def test_grading_inside_a_parallel_sweep_worker() -> None:
+    """joblib's loky workers (hydra/launcher=joblib) cannot start spawn/forkserver children:
+    grading falls back to the worker's own process instead of failing the sweep job."""
+    from joblib import Parallel, delayed
+
+    out = Parallel(n_jobs=2, backend="loky")(delayed(_grade_in_loky_worker)() for _ in range(1))
+    assert out == [[True, False]]

@@ -1,0 +1,140 @@
+"""Hydra sweeps that survive failed jobs, with one MLflow run per job.
+
+``saopd-train -m ...`` runs one job per combination. A job that fails (a bad combination of
+hyperparameters, NaN, out of memory) must not stop the sweep: in multirun mode
+:func:`saopd.train.main` catches the error, logs it with its traceback, writes
+``<job dir>/FAILED.json``, marks the job's MLflow run FAILED (creating one tagged with the sweep
+if training had not started one yet) and returns, so Hydra goes on with the next job.
+
+:class:`SweepSummary`, a Hydra callback configured in ``conf/train.yaml``, appends each job's
+outcome to ``<sweep dir>/jobs.jsonl`` as it ends (also from joblib worker processes) and, when the
+sweep is over, writes ``<sweep dir>/sweep_summary.json``, prints a table of the jobs and exits
+with status 1 if any failed: the sweep ran to the end, and the shell still learns that it was not clean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+log = logging.getLogger("saopd.sweeps")
+JOBS_FILE = "jobs.jsonl"
+SUMMARY_FILE = "sweep_summary.json"
+FAILED_FILE = "FAILED.json"
+
+
+def is_multirun() -> bool:
+    """True inside a Hydra multirun job."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    except (ImportError, ValueError):  # pragma: no cover - Hydra missing or not initialised
+        return False
+
+
+def sweep_tags() -> dict[str, str]:
+    """MLflow tags naming the sweep and job of this process ({} outside a multirun)."""
+    if not is_multirun():
+        return {}
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    return {"sweep": str(Path(hc.sweep.dir).resolve()), "sweep_job": str(hc.job.num),
+            "overrides": " ".join(hc.overrides.task)}
+
+
+def record_job_failure(job_dir: Path, error: BaseException) -> dict[str, Any]:
+    """Write ``job_dir/FAILED.json`` (error type, message, traceback, overrides); return it."""
+    info = {"error_type": type(error).__name__, "error": str(error),
+            "traceback": "".join(traceback.format_exception(error)), **sweep_tags()}
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / (FAILED_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, job_dir / FAILED_FILE)
+    return info
+
+
+def _append_line(path: Path, row: dict[str, Any]) -> None:
+    """Append one JSON line under an exclusive lock (jobs may end in parallel processes)."""
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"), path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The job outcomes recorded so far in ``sweep_dir`` (last record per job number wins)."""
+    path = Path(sweep_dir) / JOBS_FILE
+    if not path.is_file():
+        return []
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[int(row["job"])] = row
+    return [rows[k] for k in sorted(rows)]
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class SweepSummary(_HydraCallback):  # type: ignore[misc]
+    """Hydra callback: records every job's outcome and summarises the sweep at its end."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not is_multirun():
+            return
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobStatus
+
+        hc = HydraConfig.get()
+        job_dir = Path(hc.runtime.output_dir)
+        failed = job_dir / FAILED_FILE
+        value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        row: dict[str, Any] = {"job": int(hc.job.num), "overrides": list(hc.overrides.task),
+                               "dir": str(job_dir)}
+        if failed.is_file():
+            info = json.loads(failed.read_text())
+            row.update(status="failed", error=f"{info['error_type']}: {info['error']}")
+        elif job_return.status != JobStatus.COMPLETED:  # raised past saopd.train.main
+            row.update(status="failed", error=repr(getattr(job_return, "_return_value", None)))
+        else:
+            row["status"] = "ok"
+            if isinstance(value, dict):
+                row["run_id"] = value.get("run_id")
+                row["metrics"] = {k: v for k, v in value.get("metrics", {}).items()
+                                  if k in ("train/loss", "train/flmr", "train/filtered_ratio")}
+        _append_line(Path(hc.sweep.dir) / JOBS_FILE, row)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        jobs = read_jobs(sweep_dir)
+        failed = [j for j in jobs if j["status"] != "ok"]
+        summary = {"sweep_dir": str(sweep_dir.resolve()), "jobs": len(jobs),
+                   "failed": len(failed), "job_outcomes": jobs}
+        tmp = sweep_dir / (SUMMARY_FILE + ".tmp")
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, sweep_dir / SUMMARY_FILE)
+        lines = [f"sweep {sweep_dir}: {len(jobs) - len(failed)} of {len(jobs)} jobs ok"]
+        for j in jobs:
+            tail = f"  {j['error']}" if j["status"] != "ok" else ""
+            lines.append(f"  #{j['job']:<3} {j['status']:<6} {' '.join(j['overrides'])}{tail}")
+        print("\n".join(lines), flush=True)
+        if failed:
+            # Hydra turns a callback's exceptions into warnings; SystemExit gets through and
+            # makes the sweep's exit status 1 (after every job has run)
+            raise SystemExit(f"saopd-train: {len(failed)} of {len(jobs)} sweep jobs failed (see "
+                             f"{sweep_dir / SUMMARY_FILE}); the others completed")

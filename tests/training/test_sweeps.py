@@ -1,0 +1,86 @@
+"""Sweeps: studies and methods compose; a failed job neither stops the sweep nor goes unseen."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from conftest import REPO
+from hydra import compose, initialize_config_dir
+
+from saopd.sweeps import read_jobs
+from saopd.train import CONF_DIR
+
+STUDIES = {
+    "ablation_filters": {"filter": "none,random,divergence_only,ig_only,proxy_replacement,sa_opd"},
+    "baselines": {"method": "opd,exopd,tip,fire_opd,sa_opd"},
+    "beta_sensitivity": {"filter.beta_max": "null,0.006,0.012,0.018,0.024,0.03"},
+    "p1p2_grid": {"filter.p1": "0.1,0.2,0.3", "filter.p2": "0.2,0.3,0.4"},
+}
+METHODS = {"opd": ("none", "sampled", "OPD"), "exopd": ("none", "exopd", "ExOPD"),
+           "tip": ("tip", "sampled", "TIP"), "fire_opd": ("fire", "sampled", "FiRe-OPD"),
+           "sa_opd": ("sa_opd", "sampled", "SA-OPD")}
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("train", overrides=[f"paths.root={REPO}", "paths.output_dir=/tmp/x",
+                                           *overrides], return_hydra_config=True)
+
+
+@pytest.mark.parametrize("study", sorted(STUDIES))
+def test_study_sweeps_what_its_readme_says(study: str) -> None:
+    cfg = _compose(f"study={study}")
+    assert cfg.study == study
+    params = dict(cfg.hydra.sweeper.params)
+    for key, values in STUDIES[study].items():
+        assert params[key] == values
+    assert params["seed"] == "0,1,2"
+    assert cfg.eval.every_n_steps == cfg.steps  # every job ends with an evaluation
+    assert (REPO / "experiments" / study / "README.md").is_file()
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_method_sets_filter_objective_and_label(method: str) -> None:
+    cfg = _compose(f"method={method}", "experiment=tiny")
+    filt, objective, label = METHODS[method]
+    assert (cfg.filter.name, cfg.objective.name, cfg.method) == (filt, objective, label)
+
+
+def test_failed_job_is_recorded_and_the_parallel_sweep_goes_on(tmp_path: Path) -> None:
+    db = tmp_path / "mlflow.db"
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "saopd.train", "-m", "hydra/launcher=joblib",
+           "hydra.launcher.n_jobs=2", "study=p1p2_grid", "experiment=tiny", "steps=1", "seed=0",
+           "filter.p1=0.5,1.5", "filter.p2=0.3", "eval.limit=2", "eval.max_new_tokens=4",
+           f"hydra.sweep.dir={sweep}", f"logger.tracking_uri=sqlite:///{db}",
+           f"paths.root={REPO}", "trainer.progress_bar=false", "trainer.view_every_n_steps=0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the sweep ran, and says it was not clean
+    assert "1 of 2 sweep jobs failed" in proc.stderr
+
+    jobs = read_jobs(sweep)
+    assert [j["status"] for j in jobs] == ["ok", "failed"]
+    assert "p1 must be in [0, 1], got 1.5" in jobs[1]["error"]
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert (summary["jobs"], summary["failed"]) == (2, 1)
+    failed = json.loads((sweep / "1" / "FAILED.json").read_text())
+    assert failed["error_type"] == "UserError" and "filter.p1=1.5" in failed["overrides"]
+
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    by_job = {r.data.tags["sweep_job"]: r for r in runs}
+    assert sorted(by_job) == ["0", "1"]  # every job is one MLflow run, the failed one too
+    assert by_job["0"].info.status == "FINISHED"
+    assert by_job["1"].info.status == "FAILED"
+    assert "got 1.5" in by_job["1"].data.tags["error"]
+    for run in runs:
+        assert run.data.tags["study"] == "p1p2_grid"
+        assert run.data.tags["sweep"] == str(sweep.resolve())
+    assert "eval/gsm8k/avg_at_1" in by_job["0"].data.metrics  # the study's final evaluation
