@@ -147,6 +147,9 @@ class EvalCallback(L.Callback):
         step = done - 1
         engine = HFGenerateEngine(pl_module.student, pl_module.tokenizer,
                                   batch_size=self.batch_size)
+        vision = getattr(pl_module, "vision_contexts", None)
+        if vision is not None:  # a vision-language student: prompts may hold images
+            engine.set_processor(vision.processor, chat_template_kwargs=vision.chat_template_kwargs)
         metrics = {}
         for name, problems in self.problems.items():
             res = evaluate_benchmark(name, problems, engine, pl_module.tokenizer, self.sampling,

@@ -92,7 +92,7 @@ def _sharded_hidden(model: nn.Module, backbone: nn.Module, ctx: ContextBatch) ->
 
     handle = backbone.register_forward_hook(hook)
     try:
-        model(**ctx.model_inputs(), logits_to_keep=1)
+        model(**ctx.model_inputs(), logits_to_keep=1, use_cache=False)
     finally:
         handle.remove()
     return captured[-1]
@@ -118,7 +118,7 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
         if _is_fsdp2(model):
             hidden = _sharded_hidden(model, backbone, ctx)
         else:
-            hidden = backbone(**ctx.model_inputs()).last_hidden_state  # [B, T, H]
+            hidden = backbone(**ctx.model_inputs(), use_cache=False).last_hidden_state  # [B, T, H]
         hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, R, H]
         head = model.get_output_embeddings()
         weight, bias = head.weight, getattr(head, "bias", None)
@@ -126,7 +126,7 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
             weight = weight[:vocab_size]
             bias = None if bias is None else bias[:vocab_size]
         return LMHead(hidden, weight, bias)
-    logits = model(**ctx.model_inputs()).logits  # [B, T, V]
+    logits = model(**ctx.model_inputs(), use_cache=False).logits  # [B, T, V]
     logits = logits.gather(1, index[..., None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     return Logits(logits if vocab_size is None else logits[..., :vocab_size])
 

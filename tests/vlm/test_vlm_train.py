@@ -4,6 +4,7 @@ configuration errors; the paper's VLM setups carry Appendix B's hyperparameters.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -92,3 +93,15 @@ def test_paper_vlm_setups_have_appendix_b_hyperparameters(
     assert conf.teacher.is_vision and conf.student.is_vision and conf.data.source == "vision"
     assert conf.data.chat_template_kwargs == {"enable_thinking": False}
     assert conf.eval.max_new_tokens == eval_tokens and conf.trainer.accelerator == "gpu"
+
+
+def test_evaluation_during_training_sees_the_images(make_cfg) -> None:
+    """EvalCallback's engine gets the student's processor: image prompts are evaluated."""
+    data = synth_dir()
+    out = train(make_cfg("experiment=tiny_vlm", "steps=1", f"data.path={data / 'train.jsonl'}",
+                         "eval.every_n_steps=1", "eval.benchmarks=[synth_vqa]", "eval.limit=3",
+                         "eval.max_new_tokens=4", f"eval.data_dir={data.parent / 'eval'}",
+                         "trainer.view_every_n_steps=0", mlflow=False))
+    path = Path(out["output_dir"]) / "eval" / "step_000000" / "synth_vqa.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 3 and all("response" in r for r in rows)
