@@ -128,11 +128,14 @@ def training_dynamics_figure(histories: pd.DataFrame, labels: Mapping[str, str] 
     for run_id, style in _run_styles(histories, labels, groups):
         label = _run_label(labels, run_id)
         change = loss_change(_series(histories, run_id, LOSS_METRIC))
+        # short runs: mark the points, or a one-point curve would not show at all
         if len(change):
-            ax_loss.plot(change.index, _smooth(change, smooth), label=label, lw=1.4, **style)
+            ax_loss.plot(change.index, _smooth(change, smooth), label=label, lw=1.4,
+                         marker="o" if len(change) < 20 else None, ms=3, **style)
         flmr = _series(histories, run_id, FLMR_METRIC)
         if len(flmr):
-            ax_flmr.plot(flmr.index, _smooth(flmr, smooth), label=label, lw=1.4, **style)
+            ax_flmr.plot(flmr.index, _smooth(flmr, smooth), label=label, lw=1.4,
+                         marker="o" if len(flmr) < 20 else None, ms=3, **style)
     ax_loss.set(xlabel="step", ylabel="|ΔL| (distillation loss change)",
                 title="Distillation-loss change")
     ax_flmr.set(xlabel="step", ylabel="FLMR", title="Filtered loss-mass ratio")
