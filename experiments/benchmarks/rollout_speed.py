@@ -2,10 +2,13 @@
 
 Both engines sample the same batch (``--batch`` GSM8K test questions in the model's chat
 template, one sample each, temperature 1.0, top-p 1.0, ``--new-tokens`` new tokens at most,
-seeded) from the same weights: :class:`~saopd.rollout.hf.HFGenerateEngine` on the live model
-(all prompts in one ``generate`` call) and :class:`~saopd.rollout.vllm.VLLMEngine`, built from
-it with :meth:`~saopd.rollout.vllm.VLLMEngine.from_model` (in-process, float32 like HF). Each
-engine first samples a small warm-up batch; then the timed calls alternate (HF, vLLM, HF, ...)
+seeded) from the same weights in the same dtype (``--dtype``, float32 by default):
+:class:`~saopd.rollout.hf.HFGenerateEngine` on the live model (all prompts in one ``generate``
+call) and :class:`~saopd.rollout.vllm.VLLMEngine`, built from it with
+:meth:`~saopd.rollout.vllm.VLLMEngine.from_model` (in-process; eager unless ``--compile``). Each
+engine first samples a warm-up batch (vLLM: one full call, timed apart as ``vllm_first_call``:
+with ``--compile`` it is several times slower than later calls, and training pays it once);
+then the timed calls alternate (HF, vLLM, HF, ...)
 ``--repeat`` times so machine drift hits both. Throughput is response tokens / wall seconds of
 a ``generate`` call (tokens actually returned; a response stops at its first stop token, and HF
 keeps stepping until the batch's last row stops, which is part of its cost). Reported as JSON
@@ -13,7 +16,7 @@ with the medians, their ratio, the engine start-up and weight-sync times, torch'
 and the machine's load average before and after.
 
     make bench-rollout   # .venv-vllm/bin/python experiments/benchmarks/rollout_speed.py \
-                         #     --out docs/figures/rollout_speed.json
+                         #     --compile --repeat 2 --out docs/figures/rollout_speed.json
     .venv-vllm/bin/python experiments/benchmarks/rollout_speed.py --model tiny --batch 8  # seconds
 
 Needs the vLLM venv (``make setup-vllm``). ``--model smollm2``: SmolLM2-135M-Instruct converted
@@ -48,16 +51,17 @@ def _chats(n: int) -> list[list[dict[str, str]]]:
             for r in rows]
 
 
-def _model(name: str):
+def _model(name: str, dtype: str):
     if name == "tiny":
         from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 
         tok = tiny_tokenizer()
-        return tiny_qwen3(tok, layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32), tok
+        model = tiny_qwen3(tok, layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32)
+        return model.to(getattr(torch, dtype)), tok
     from saopd.models.loading import load_causal_lm, load_tokenizer, smollm2_135m_instruct
 
     folder = smollm2_135m_instruct()
-    return load_causal_lm(str(folder), dtype="float32"), load_tokenizer(str(folder))
+    return load_causal_lm(str(folder), dtype=dtype), load_tokenizer(str(folder))
 
 
 def _timed(engine, chats, sampling) -> dict[str, float]:
@@ -77,6 +81,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="of the model, for both engines")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0)
     ap.add_argument("--compile", action="store_true",
                     help="let vLLM compile the model (enforce_eager=False); default eager")
@@ -84,7 +90,7 @@ def main() -> None:
     args = ap.parse_args()
 
     load_before = os.getloadavg()
-    model, tok = _model(args.model)
+    model, tok = _model(args.model, args.dtype)
     model.eval()
     chats = _chats(args.batch)
     sampling = SamplingParams(n=1, temperature=1.0, top_p=1.0,
@@ -103,7 +109,11 @@ def main() -> None:
     threads = torch.get_num_threads()
 
     hf.generate(chats[:4], warm)
-    vllm.generate(chats[:4], warm)
+    # with --compile, vLLM's first full call was 4-6x slower than later ones here even after a
+    # full-batch warm-up (cause not pinned down); training calls generate every step, so the
+    # steady state is what a step pays: the first call is timed apart, out of the medians
+    first_call = _timed(vllm, chats, sampling)
+    print(f"vllm first call: {first_call['tokens_per_s']:.1f} tokens/s", flush=True)
     runs: dict[str, list[dict[str, float]]] = {"hf": [], "vllm": []}
     for i in range(args.repeat):
         for name, engine in (("hf", hf), ("vllm", vllm)):
@@ -120,7 +130,8 @@ def main() -> None:
         "repeat": args.repeat, "dtype": str(next(model.parameters()).dtype),
         "vllm_enforce_eager": not args.compile,
         "median_tokens_per_s": med, "speedup_vllm_over_hf": med["vllm"] / med["hf"],
-        "vllm_startup_s": startup, "vllm_sync_s": sync, "torch_threads": threads,
+        "vllm_startup_s": startup, "vllm_sync_s": sync, "vllm_first_call": first_call,
+        "torch_threads": threads,
         "runs": runs, "load_average_before": load_before, "load_average_after": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "vllm": _vllm_version()},
