@@ -9,7 +9,8 @@ if training had not started one yet) and returns, so Hydra goes on with the next
 :class:`SweepSummary`, a Hydra callback configured in ``conf/train.yaml``, appends each job's
 outcome to ``<sweep dir>/jobs.jsonl`` as it ends (also from joblib worker processes) and, when the
 sweep is over, writes ``<sweep dir>/sweep_summary.json``, prints a table of the jobs and exits
-with status 1 if any failed: the sweep ran to the end, and the shell still learns that it was not clean.
+with status 1 if any failed: the sweep ran to the end, and the shell still learns that it was
+not clean.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_fsdp_on_cpu_needs_a_device_count(make_cfg) -> None:
 
 
 def test_fsdp_mixed_precision_needs_fsdp(make_cfg) -> None:
-    with pytest.raises(ValueError, match="fsdp_mixed_precision applies to trainer.strategy=fsdp"):
+    with pytest.raises(ValueError, match=r"fsdp_mixed_precision applies to trainer\.strategy=fsdp"):
         to_train_config(make_cfg("experiment=tiny", "trainer.fsdp_mixed_precision=bf16"))
     with pytest.raises(ValueError, match="process_group_backend must be one of"):
         to_train_config(make_cfg("experiment=tiny", "trainer.process_group_backend=mpi"))
