@@ -354,12 +354,7 @@ def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
     name = conf.logger.experiment_name or conf.experiment_name
     run_name = conf.logger.run_name or (
         f"{conf.experiment_name}-{conf.filter['name']}-{conf.objective['name']}-s{conf.seed}")
-    from saopd.sweeps import sweep_tags
-
-    tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
-            "objective": conf.objective["name"], "seed": str(conf.seed), **sweep_tags(),
-            **({"study": conf.study} if conf.study else {}),
-            **({"method": conf.method} if conf.method else {}), **conf.logger.tags}
+    tags = _run_tags(conf)
     logger = make_mlflow_logger(experiment_name=name, tracking_uri=uri, run_name=run_name,
                                 run_id=previous.get("run_id"), tags=tags,
                                 root=Path(conf.paths.root))
@@ -396,9 +391,23 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     return summary
 
 
+def _run_tags(conf: TrainConfig | DictConfig) -> dict[str, str]:
+    """MLflow tags of a run: experiment, filter, objective, seed, sweep, study, method, extras.
+
+    Takes the validated config or, for a job that failed before validation, the raw one.
+    """
+    from saopd.sweeps import sweep_tags
+
+    named = {k: getattr(conf, k, None) for k in ("study", "method")}
+    tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
+            "objective": conf.objective["name"], "seed": conf.seed, **sweep_tags(),
+            **{k: v for k, v in named.items() if v}, **(conf.logger.tags or {})}
+    return {k: str(v) for k, v in tags.items()}
+
+
 def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
     """A failed sweep job: log it, write FAILED.json, and mark (or make) its MLflow run FAILED."""
-    from saopd.sweeps import record_job_failure, sweep_tags
+    from saopd.sweeps import record_job_failure
 
     log.error("sweep job failed: %s: %s", type(err).__name__, err,
               exc_info=not isinstance(err, UserError))
@@ -422,13 +431,7 @@ def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
                 name = cfg.logger.experiment_name or cfg.experiment_name  # job is in MLflow
                 exp = client.get_experiment_by_name(name)
                 exp_id = exp.experiment_id if exp else client.create_experiment(name)
-                tags = {"experiment": str(cfg.experiment_name),
-                        "filter": str(cfg.filter.get("name")),
-                        "objective": str(cfg.objective.get("name")), "seed": str(cfg.seed),
-                        **sweep_tags(),
-                        **{k: str(cfg.get(k)) for k in ("study", "method") if cfg.get(k)},
-                        **{k: str(v) for k, v in (cfg.logger.tags or {}).items()}}
-                run_id = client.create_run(exp_id, tags=tags).info.run_id
+                run_id = client.create_run(exp_id, tags=_run_tags(cfg)).info.run_id
             client.set_tag(run_id, "error", info["error"][:5000])
             client.set_terminated(run_id, status="FAILED")
     except Exception as mlflow_err:  # the failure is already in FAILED.json and the log

@@ -23,7 +23,8 @@ from saopd.filters.base import FilterResult, TokenFilter
 from saopd.signals.token_signals import TokenSignals
 
 
-def _world() -> int:
+def world_size() -> int:
+    """Ranks in the default process group (1 without an initialised one)."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -55,7 +56,7 @@ def batch_global_filter(token_filter: TokenFilter, signals: TokenSignals, *,
     shape, and ``stats`` describe the global batch. Gradient-carrying fields are gathered
     detached (the filter never differentiates). Every rank must call this collectively.
     """
-    if _world() == 1:
+    if world_size() == 1:
         return token_filter(signals, generator=generator)
     length = torch.tensor([signals.valid.shape[1]], device=signals.valid.device)
     dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)

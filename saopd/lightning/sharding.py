@@ -23,15 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def dp_world_size() -> int:
-    """Number of data-parallel ranks (1 without an initialised process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def dp_rank() -> int:
-    """This process's data-parallel rank (0 without an initialised process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+from saopd.filters.distributed import world_size as dp_world_size  # data-parallel ranks
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -59,7 +51,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def is_fsdp2(model: nn.Module) -> bool:
-    """True if ``model`` was sharded with FSDP2's ``fully_shard``."""
+    """True if ``model`` was sharded with FSDP2's ``fully_shard`` (:func:`shard_model` always
+    shards the root, so checking the root is enough)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch < 2.6

@@ -179,15 +179,10 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 def _sharded_across_ranks(model: torch.nn.Module) -> bool:
     """True for an FSDP2-sharded model in a multi-rank process group."""
-    import torch.distributed as dist
+    from saopd.filters.distributed import world_size
+    from saopd.lightning.sharding import is_fsdp2
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return world_size() > 1 and is_fsdp2(model)
 
 
 class HFGenerateEngine:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from saopd.data.contexts import ContextBatch, PairedContextBatch
+from saopd.lightning.sharding import is_fsdp2
 from saopd.signals import LMHead, Logits, LogitSource, TokenSignals, score_tokens
 
 if TYPE_CHECKING:
@@ -68,14 +69,6 @@ def _plain_head(model: nn.Module) -> bool:
     return not any(getattr(config, name, None) not in (None, 1.0) for name in _HEAD_TRANSFORMS)
 
 
-def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return isinstance(model, FSDPModule)
-
-
 def _sharded_hidden(model: nn.Module, backbone: nn.Module, ctx: ContextBatch) -> torch.Tensor:
     """Final hidden states [B, T, H] of an FSDP2-sharded model, through its root forward.
 
@@ -115,7 +108,7 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
     index = ctx.gather_index  # [B, R]
     if _plain_head(model):
         backbone = model.base_model if hasattr(model, "base_model") else model.model
-        if _is_fsdp2(model):
+        if is_fsdp2(model):
             hidden = _sharded_hidden(model, backbone, ctx)
         else:
             hidden = backbone(**ctx.model_inputs(), use_cache=False).last_hidden_state  # [B, T, H]
