@@ -57,6 +57,9 @@ class EvalConfig:
         device: where the model runs (cpu | cuda).
         chat_template_kwargs: extra chat-template variables for vision-language models
             (``{enable_thinking: false}``: Qwen3.5's non-thinking mode).
+        mmifeval_judge: ``"module:callable"`` of an LLM judge for MM-IFEval's judge-only
+            constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`); null: those are reported as
+            ungraded and left out of the score.
     """
 
     model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="unset"))
@@ -80,6 +83,24 @@ class EvalConfig:
     experiment_name: str = "eval"
     log_to_mlflow: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    mmifeval_judge: str | None = None
+
+
+def load_judge(spec: str | None) -> Any:
+    """The callable named by ``"package.module:attribute"`` (``mmifeval_judge``), None for None.
+
+    Raises ``ValueError`` for a malformed spec or an attribute that is not callable."""
+    if spec is None:
+        return None
+    import importlib
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"mmifeval_judge must be 'module:callable', got {spec!r}")
+    judge = getattr(importlib.import_module(module), attr)
+    if not callable(judge):
+        raise ValueError(f"mmifeval_judge {spec!r} is not callable")
+    return judge
 
 
 def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
@@ -151,6 +172,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     if processor is not None:  # a vision-language model: prompts may hold images
         engine.set_processor(processor, chat_template_kwargs=conf.chat_template_kwargs)
 
+    judge = load_judge(conf.mmifeval_judge)
     results: dict[str, Any] = {}
     for name in conf.benchmarks:
         problems = load_benchmark(name, conf.data_dir, limit=conf.limit)
@@ -164,11 +186,14 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         with tqdm(total=len(problems), desc=f"{name} avg@{k}", unit="problem") as bar:
             res = evaluate_benchmark(name, problems, engine, tokenizer, sampling,
                                      batch_size=conf.batch_size,
-                                     grade_workers=conf.grade_workers, progress=bar.update)
+                                     grade_workers=conf.grade_workers, progress=bar.update,
+                                     judge=judge)
         path = out_dir / f"{name}.jsonl"
         write_jsonl_atomic(path, res.samples)
         results[name] = {"score": res.score, "k": k, "problems": res.problems,
                          "unfinished": res.unfinished, "samples_file": str(path),
+                         "ungraded": res.ungraded,
+                         "ungraded_constraints": res.ungraded_constraints,
                          "seconds": round(time.perf_counter() - started, 1)}
         log.info("%s: avg@%d = %.4f over %d problems", name, k, res.score, res.problems)
     average = sum(r["score"] for r in results.values()) / max(1, len(results))
@@ -217,7 +242,9 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     for name, res in summary["benchmarks"].items():
         print(f"{name:14s} avg@{res['k']:<3d} {res['score']:.4f}  ({res['problems']} problems, "
-              f"{res['unfinished']} unfinished samples)")
+              f"{res['unfinished']} unfinished samples"
+              + (f", {res['ungraded']} ungraded samples, {res['ungraded_constraints']} ungraded "
+                 "constraints: no judge" if res.get("ungraded_constraints") else "") + ")")
     print(f"{'average':14s}        {summary['average']:.4f}")
     print(f"per-sample results: {summary['output_dir']}")
     if "run_id" in summary:

@@ -8,8 +8,14 @@ is kept in a JSONL (problem id, sample index, response, extracted answer, correc
 Vision-language benchmarks: rows whose user turn holds image parts (paths relative to the JSONL,
 checked by :func:`saopd.data.vision.read_vision_rows`) and whose ``metadata["format"]`` is
 ``count``, ``choice`` or ``numeric`` are graded by :func:`saopd.eval.vision.grade_vision`
-(counting exact match, option letters, numbers within a relative tolerance); the engine must then
-have the model's processor. ``synth_vqa`` names the test split of ``dvc repro prepare_vlm``.
+(counting exact match, option letters, numbers within a relative tolerance, short text); the
+engine must then have the model's processor. ``synth_vqa`` names the test split of ``dvc repro
+prepare_vlm``; the paper's six VLM benchmarks (:data:`VISION_BENCHMARKS`) are written by ``dvc
+repro prepare_vlm_eval``. Rows whose format is ``mmifeval`` are graded by
+:func:`saopd.eval.mmifeval.grade_mmifeval`: a fractional score per sample (the mean over its
+graded constraints); constraints that need an LLM judge are graded only when a ``judge`` is
+given, otherwise they are counted as ungraded, and a sample with nothing graded is left out of
+the score (``BenchmarkResult.ungraded``).
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from saopd.rollout.base import RolloutEngine, SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from saopd.eval.mmifeval import MMIFEvalJudge
+
 MATH_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math")
 REQUIRED_FIELDS = ("id", "messages", "answer")
 #: Vision benchmarks outside ``data_dir``: name -> path relative to ``data_dir``'s parent
 #: (``data/prepared``), written by ``dvc repro prepare_vlm``.
-VISION_BENCHMARKS = {"synth_vqa": "vlm/test.jsonl"}
+VISION_BENCHMARKS = {"synth_vqa": "vlm/test.jsonl",
+                     **{name: f"vlm_eval/{name}.jsonl" for name in (
+                         "evochart", "mmifeval", "countqa", "mathvision", "geo3k", "mathvista")}}
 
 
 @dataclass
@@ -51,7 +61,12 @@ class EvalProblem:
 
 @dataclass
 class BenchmarkResult:
-    """Avg@k of one benchmark and its per-sample rows."""
+    """Avg@k of one benchmark and its per-sample rows.
+
+    ``problems``: problems with at least one graded sample (the score's denominator);
+    ``ungraded``: samples left without a score (MM-IFEval rows whose constraints all need a
+    judge and none was given); ``ungraded_constraints``: MM-IFEval constraints not graded.
+    """
 
     name: str
     k: int
@@ -59,6 +74,8 @@ class BenchmarkResult:
     problems: int
     samples: list[dict[str, Any]] = field(default_factory=list)
     unfinished: int = 0
+    ungraded: int = 0
+    ungraded_constraints: int = 0
 
 
 def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
@@ -76,8 +93,9 @@ def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
     if not path.is_file() and name in VISION_BENCHMARKS:
         path = Path(data_dir).parent / VISION_BENCHMARKS[name]
         if not path.is_file():
+            stage = "prepare_vlm" if name == "synth_vqa" else "prepare_vlm_eval"
             raise FileNotFoundError(f"benchmark {name!r}: no file {path}; run "
-                                    "`dvc repro prepare_vlm`")
+                                    f"`dvc repro {stage}`")
     if not path.is_file():
         raise FileNotFoundError(
             f"benchmark {name!r}: no prepared file {path}; run `dvc repro prepare_eval` "
@@ -111,28 +129,42 @@ def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
 
 
 def _grade(samples: list[dict[str, Any]], problems: dict[str, EvalProblem],
-           grade_workers: int | None) -> list[bool]:
-    """Vision formats in-process (:func:`saopd.eval.vision.grade_vision`, which also sets the
-    sample's ``extracted``), the rest with math-verify in worker processes."""
+           grade_workers: int | None, judge: MMIFEvalJudge | None = None) -> list[float | None]:
+    """Scores in [0, 1] per sample: vision formats in-process
+    (:func:`saopd.eval.vision.grade_vision`, which also sets the sample's ``extracted``),
+    ``mmifeval`` by :func:`saopd.eval.mmifeval.grade_mmifeval` (None when nothing could be
+    graded; the sample gets ``constraints`` and ``ungraded_constraints``), the rest with
+    math-verify in worker processes."""
     from saopd.eval.math import grade_many
+    from saopd.eval.mmifeval import grade_mmifeval
     from saopd.eval.vision import grade_vision, is_vision_format
 
-    verdicts: list[bool | None] = [None] * len(samples)
+    scores: list[float | None] = [None] * len(samples)
     math_idx = []
     for i, s in enumerate(samples):
-        meta = problems[s["id"]].metadata
-        if is_vision_format(meta.get("format")):
+        problem = problems[s["id"]]
+        meta = problem.metadata
+        if meta.get("format") == "mmifeval":
+            from saopd.data.vision import message_images
+
+            res_if = grade_mmifeval(s["response"], meta, judge=judge,
+                                    images=[str(p) for p in message_images(problem.messages)])
+            s["extracted"] = None
+            s["constraints"] = res_if.constraints
+            s["ungraded_constraints"] = res_if.ungraded
+            scores[i] = res_if.score
+        elif is_vision_format(meta.get("format")):
             res = grade_vision(s["response"], s["gold"], meta["format"], meta)
             s["extracted"] = res.extracted
-            verdicts[i] = res.correct
+            scores[i] = float(res.correct)
         else:
             math_idx.append(i)
     if math_idx:
         graded = grade_many([(samples[i]["response"], samples[i]["gold"]) for i in math_idx],
                             workers=grade_workers)
         for i, ok in zip(math_idx, graded, strict=True):
-            verdicts[i] = bool(ok)
-    return [bool(v) for v in verdicts]
+            scores[i] = float(bool(ok))
+    return scores
 
 
 def evaluate_benchmark(
@@ -145,8 +177,15 @@ def evaluate_benchmark(
     batch_size: int = 8,
     grade_workers: int | None = None,
     progress: Callable[[int], None] | None = None,
+    judge: MMIFEvalJudge | None = None,
 ) -> BenchmarkResult:
-    """Sample ``sampling.n`` responses per problem, grade them, return Avg@k and every sample."""
+    """Sample ``sampling.n`` responses per problem, grade them, return Avg@k and every sample.
+
+    Each sample gets ``score`` (in [0, 1]; None when ungraded) and ``correct`` (``score ==
+    1``; None when ungraded). A problem's score is the mean over its graded samples; the
+    benchmark's is the mean over problems with a graded sample. ``judge`` grades MM-IFEval's
+    judge-only constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`).
+    """
     from saopd.eval.math import extract_answer
 
     samples: list[dict[str, Any]] = []
@@ -170,12 +209,19 @@ def evaluate_benchmark(
                             "tokens": len(r.response_ids)})
         if progress is not None:
             progress(len(part))
-    verdicts = _grade(samples, {p.id: p for p in problems}, grade_workers)
-    per_problem: dict[str, list[bool]] = {}
-    for sample, ok in zip(samples, verdicts, strict=True):
-        sample["correct"] = bool(ok)
-        per_problem.setdefault(sample["id"], []).append(bool(ok))
+    scores = _grade(samples, {p.id: p for p in problems}, grade_workers, judge)
+    per_problem: dict[str, list[float]] = {}
+    ungraded = 0
+    for sample, value in zip(samples, scores, strict=True):
+        sample["score"] = value
+        sample["correct"] = None if value is None else value >= 1.0
+        if value is None:
+            ungraded += 1
+            continue
+        per_problem.setdefault(sample["id"], []).append(value)
     score = (sum(sum(v) / len(v) for v in per_problem.values()) / len(per_problem)
              if per_problem else 0.0)
     return BenchmarkResult(name=name, k=sampling.n, score=score, problems=len(per_problem),
-                           samples=samples, unfinished=unfinished)
+                           samples=samples, unfinished=unfinished, ungraded=ungraded,
+                           ungraded_constraints=sum(s.get("ungraded_constraints", 0)
+                                                    for s in samples))

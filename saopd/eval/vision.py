@@ -12,7 +12,11 @@ converted benchmarks should too):
 - ``numeric`` (chart values, ChartQA-style relaxed accuracy): the extracted number ``x`` is
   correct when ``|x - gold| <= tolerance * |gold|`` (``metadata["tolerance"]``, default 0.05;
   an exact match when the gold is 0). Percent signs, units after the number and thousands
-  separators are ignored.
+  separators are ignored. With ``metadata["precision"]`` (MathVista's decimals), ``x`` is first
+  rounded to that many decimals;
+- ``text`` (short text answers, e.g. a chart's category label): the answer span (below),
+  normalised (lower case, ``\text{}`` and surrounding punctuation, articles and extra spaces
+  removed), equals the normalised gold answer.
 
 Extraction order for every format: the content of the last ``\\boxed{...}``, else the text after
 the last "answer is" / "answer:", else the whole response; the *last* number (or letter) found
@@ -37,9 +41,10 @@ __all__ = [
     "extract_number",
     "grade_vision",
     "is_vision_format",
+    "normalize_text",
 ]
 
-VISION_FORMATS = ("count", "choice", "numeric")
+VISION_FORMATS = ("count", "choice", "numeric", "text")
 DEFAULT_TOLERANCE = 0.05
 
 _NUMBER_WORDS = {w: i for i, w in enumerate((
@@ -176,6 +181,24 @@ def grade_vision(response: str, gold: str, fmt: str,
         got = extract_number(response)
         if got is None:
             return VisionGrade(False, None)
+        if meta.get("precision") is not None:
+            got = round(got, int(meta["precision"]))
         ok = got == want if want == 0 else abs(got - want) <= tol * abs(want) + 1e-12
         return VisionGrade(ok, f"{got:g}")
+    if fmt == "text":
+        want_text = normalize_text(gold)
+        if not want_text:
+            raise ValueError(f"text gold answer {gold!r} is empty after normalisation")
+        got_text = normalize_text(answer_span(response))
+        return VisionGrade(bool(got_text) and got_text == want_text, got_text or None)
     raise ValueError(f"unknown answer format {fmt!r}; vision formats: {list(VISION_FORMATS)}")
+
+
+def normalize_text(text: str) -> str:
+    """A short answer for exact comparison: ``\\text{x}`` -> ``x``, lower case, leading
+    articles (a/an/the) and surrounding punctuation/markup removed, inner whitespace collapsed."""
+    text = re.sub(r"\\(?:text|mathrm|textbf)\s*\{([^{}]*)\}", r"\1", text)
+    text = " ".join(text.lower().split())
+    text = text.strip(" \t\n.,;:!?*\"'`$()[]{}")
+    text = re.sub(r"^(?:a|an|the)\s+", "", text)
+    return " ".join(text.split())
