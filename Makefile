@@ -55,9 +55,12 @@ bench-rollout: setup-vllm
 	HF_HUB_OFFLINE=1 $(VLLM_PY) experiments/benchmarks/rollout_speed.py --compile --repeat 2 \
 	  --out docs/figures/rollout_speed.json
 
-# DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache
+# DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache. Only
+# the offline stages, by name; the paper's VLM stages need the hub (or a local snapshot) and are
+# run explicitly: dvc repro prepare_vlm_understanding prepare_vlm_reasoning prepare_vlm_eval
+OFFLINE_STAGES := prepare_eval prepare_train prepare_vlm
 data: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro $(OFFLINE_STAGES)
 
 lint: setup
 	$(VENV)/bin/ruff check saopd tests experiments

@@ -76,6 +76,7 @@ __all__ = [
     "prepare_eval",
     "prepare_train",
     "repair_aime25_problem",
+    "seeded_sample",
     "verify_input",
     "write_json_atomic",
     "write_jsonl_atomic",
@@ -88,8 +89,10 @@ PathLike = str | os.PathLike[str]
 #: Default instruction appended (after a newline) to every problem; ``params.yaml`` sets it too.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
-#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.data.synth_vqa`).
-STAGES = ("prepare_eval", "prepare_train", "prepare_vlm")
+#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.data.synth_vqa`;
+#: ``prepare_vlm_understanding``/``_reasoning``/``_eval``: :mod:`saopd.data.paper_vlm`).
+STAGES = ("prepare_eval", "prepare_train", "prepare_vlm", "prepare_vlm_understanding",
+          "prepare_vlm_reasoning", "prepare_vlm_eval")
 
 #: Columns of ``zwhe99/DeepMath-103K`` that are read. The dataset (one ``train`` split, about
 #: 103k rows) also has ``r1_solution_1..3``, three long DeepSeek-R1 solutions, which are not
@@ -531,9 +534,27 @@ def _shown(path: Path, root: Path) -> str:
 # ----------------------------------------------------------------------------- prepare_train
 
 
-def _deepmath_rank(seed: int, question: str, index: int) -> tuple[str, int]:
-    """Sort key of the seeded sample: sha256 of ``"<seed>\\x1f<question>"``, then the index."""
-    return hashlib.sha256(f"{seed}\x1f{question}".encode()).hexdigest(), index
+def _sample_rank(seed: int, key: str, index: int) -> tuple[str, int]:
+    """Sort key of the seeded sample: sha256 of ``"<seed>\\x1f<key>"``, then the index."""
+    return hashlib.sha256(f"{seed}\x1f{key}".encode()).hexdigest(), index
+
+
+def seeded_sample(keyed: Iterable[tuple[int, str]], fraction: float, seed: int) -> list[int]:
+    """The indices of a seeded ``fraction`` of ``(index, key)`` pairs, in increasing order.
+
+    Of the ``n`` pairs, ``round(fraction * n)`` are kept: those with the smallest sha256 of
+    ``"<seed>\\x1f<key>"`` (ties by index). The sample thus depends only on the seed and the
+    keys (not on the Python/NumPy version or the row order), and a row's membership does not
+    change when unrelated rows are added (beyond the count). The one sampler of the data stages
+    (DeepMath, VERO-600K, MMRL30k). Raises :class:`PrepareError` for ``fraction`` outside
+    ``(0, 1]``.
+    """
+    if not 0.0 < fraction <= 1.0:
+        raise PrepareError(f"fraction must be in (0, 1], got {fraction!r}")
+    pairs = list(keyed)
+    k = round(fraction * len(pairs))
+    ranked = sorted(pairs, key=lambda item: _sample_rank(seed, item[1], item[0]))
+    return sorted(index for index, _ in ranked[:k])
 
 
 def deepmath_records(
@@ -580,10 +601,9 @@ def deepmath_records(
             meta = {"index": index, "difficulty": difficulty, "topic": row.get("topic")}
             rec = make_record(f"deepmath-{index}", question, answer, "deepmath", instruction, meta)
             eligible.append((index, rec))
-    k = round(fraction * len(eligible))
-    ranked = sorted(eligible, key=lambda item: _deepmath_rank(seed, item[1]["prompt"], item[0]))
-    keep = sorted(ranked[:k], key=lambda item: item[0])
-    return [rec for _, rec in keep], len(eligible)
+    by_index = dict(eligible)
+    keep = seeded_sample(((i, rec["prompt"]) for i, rec in eligible), fraction, seed)
+    return [by_index[i] for i in keep], len(eligible)
 
 
 _OFFLINE_HINT = (
@@ -751,12 +771,20 @@ def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, A
             return prepare_vlm(params, root)
         except SynthError as e:
             raise PrepareError(str(e)) from e
+    if stage == "prepare_vlm_eval":  # the paper's VLM benchmarks (hub or a local export)
+        from saopd.data.paper_vlm import prepare_vlm_eval
+
+        return prepare_vlm_eval(params, root)
+    if stage.startswith("prepare_vlm_"):  # the paper's VLM training prompts
+        from saopd.data.paper_vlm import prepare_vlm_train
+
+        return prepare_vlm_train(params, root, stage)
     return prepare_train(params, root)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m saopd.data.prepare {prepare_eval,prepare_train,prepare_vlm}
-    --params FILE``.
+    """Command line: ``python -m saopd.data.prepare <stage> --params FILE`` (a stage of
+    :data:`STAGES`).
 
     Exits 1 with a one-line ``error: ...`` on a :class:`PrepareError`.
     """
