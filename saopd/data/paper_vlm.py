@@ -17,7 +17,10 @@ Every stage writes ``<out_dir>/<file>.jsonl`` (the vision prompt schema of
 is swapped in whole. Every written row is checked by :func:`saopd.data.vision.validate_messages`
 (images opened with PIL).
 
-Sources (``source`` of a dataset's params): ``hub`` loads ``hub.dataset`` (``hub.config``,
+Sources (``source`` of a stage's params; a benchmark may set its own): ``none`` (the default in
+``params.yaml``) prepares nothing: the stage writes only ``report.json`` saying so, so that an
+offline ``dvc repro`` passes; the user chooses ``hub`` or ``local`` explicitly (``params.yaml`` or
+``dvc exp run -S prepare_vlm_eval.source=hub``). ``hub`` loads ``hub.dataset`` (``hub.config``,
 ``hub.split``, ``hub.revision``: pin a commit for reproducibility) with Hugging Face
 ``datasets`` (imported only then; needs the network or a warm cache); ``local`` reads
 ``local.path``: a parquet file, a folder of parquet files (searched recursively, sorted; the
@@ -322,10 +325,41 @@ def hub_table(hub: Mapping[str, Any], where: str) -> Table:
     )
 
 
+SOURCES = ("none", "hub", "local")
+
+
+def _source(cfg: Mapping[str, Any], where: str, default: str | None = None) -> str:
+    source = cfg.get("source", default)
+    if source not in SOURCES:
+        raise PrepareError(f"{where}.source must be one of {list(SOURCES)}, got {source!r}")
+    return str(source)
+
+
+def _not_prepared(out_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """``source: none``: replace ``out_dir`` by a folder holding only ``report.json``."""
+    from saopd.data.synth_vqa import _swap_in
+
+    where = report["stage"]
+    report = {**report, "source": "none", "prepared": False, "message": (
+        f"{where}: nothing prepared (source: none). Set {where}.source to 'hub' (needs the "
+        "Hugging Face hub and `pip install datasets`) or 'local' (a downloaded snapshot) in "
+        "params.yaml, then `dvc repro " + where + "`.")}
+    logger.warning("%s", report["message"])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.mkdir()
+        write_json_atomic(tmp / "report.json", report)
+        _swap_in(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
 def open_table(cfg: Mapping[str, Any], where: str, root: Path, report: StageReport,
-               skip_bad: bool) -> tuple[Table, dict[str, Any]]:
-    """The source of a dataset's params (``source: hub | local``) and what to report of it."""
-    source = _require(cfg, "source", where)
+               skip_bad: bool, source: str) -> tuple[Table, dict[str, Any]]:
+    """The table of a dataset's params for ``source`` (hub | local) and what to report of it."""
     if source == "hub":
         hub = cfg.get("hub") or {}
         table = hub_table(hub, where)
@@ -337,7 +371,7 @@ def open_table(cfg: Mapping[str, Any], where: str, root: Path, report: StageRepo
         path = _resolve(root, shown, f"{where}.local.path")
         logger.info("%s: reading the local export %s", where, shown)
         return local_table(path, shown, report, skip_bad), {"source": "local", "path": shown}
-    raise PrepareError(f"{where}.source must be 'hub' or 'local', got {source!r}")
+    raise PrepareError(f"{where}.source must be 'hub' or 'local' here, got {source!r}")
 
 
 # ------------------------------------------------------------------------------------ images
@@ -520,7 +554,7 @@ def prepare_vlm_train(params: Mapping[str, Any], root: Any = ".",
                       stage: str = "prepare_vlm_understanding") -> dict[str, Any]:
     """Stage ``prepare_vlm_understanding`` (VERO-600K) or ``prepare_vlm_reasoning`` (MMRL30k).
 
-    Keys of ``params[stage]``: ``source`` (hub | local), ``hub``, ``local``, ``columns``,
+    Keys of ``params[stage]``: ``source`` (none | hub | local), ``hub``, ``local``, ``columns``,
     ``categories`` (VERO-600K: values of the category column to keep), ``fraction``, ``seed``,
     ``instruction``, ``skip_bad``, ``out_dir``. Writes ``<out_dir>/train.jsonl``, its images
     and ``report.json``; returns the report.
@@ -538,8 +572,11 @@ def prepare_vlm_train(params: Mapping[str, Any], root: Any = ".",
     except (TypeError, ValueError) as e:
         raise PrepareError(f"{stage}: invalid fraction/seed ({e})") from e
     cols = {**DEFAULT_COLUMNS[name], **(cfg.get("columns") or {})}
+    chosen = _source(cfg, stage)
+    if chosen == "none":
+        return _not_prepared(out_dir, {"stage": stage})
     report = StageReport(input="")
-    table, source = open_table(cfg, stage, root, report, skip_bad)
+    table, source = open_table(cfg, stage, root, report, skip_bad, chosen)
     report.input = table.name
     report.rows_in = len(table)
 
@@ -732,7 +769,8 @@ BENCHMARK_CONVERTERS: dict[str, Converter] = {
 def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, Any]:
     """Stage ``prepare_vlm_eval``: convert each benchmark of ``params["prepare_vlm_eval"]``.
 
-    Keys: ``out_dir``, ``skip_bad``, ``benchmarks: {name: {source, hub, local, columns,
+    Keys: ``source`` (none | hub | local: the benchmarks' default; ``none`` prepares nothing),
+    ``out_dir``, ``skip_bad``, ``benchmarks: {name: {source, hub, local, columns,
     instruction, limit}}`` (names from :data:`BENCHMARK_CONVERTERS`; ``instruction`` defaults
     to the boxed-answer instruction, ``null`` for none; ``limit``: the first rows only). Writes
     ``<out_dir>/<name>.jsonl``, ``<out_dir>/images/<name>/`` and ``report.json``.
@@ -747,6 +785,9 @@ def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, An
     if unknown:
         raise PrepareError(f"{where}: unknown benchmark(s) {unknown}; known: "
                            f"{list(BENCHMARK_CONVERTERS)}")
+    stage_source = None if cfg.get("source") is None else _source(cfg, where)
+    if stage_source == "none":
+        return _not_prepared(out_dir, {"stage": where})
     groups: dict[str, list[tuple[str, Item]]] = {}
     reports: dict[str, dict[str, Any]] = {}
     bases: dict[str, Path | None] = {}
@@ -755,7 +796,11 @@ def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, An
         if not isinstance(bcfg, dict):
             raise PrepareError(f"{bwhere}: expected a mapping with source, hub/local, columns")
         report = StageReport(input="")
-        table, source = open_table(bcfg, bwhere, root, report, skip_bad)
+        chosen = _source(bcfg, bwhere, stage_source)
+        if chosen == "none":
+            raise PrepareError(f"{bwhere}.source is 'none' but the stage's is "
+                               f"{stage_source!r}; remove the benchmark or choose hub/local")
+        table, source = open_table(bcfg, bwhere, root, report, skip_bad, chosen)
         report.input, report.rows_in = table.name, len(table)
         cols = {**DEFAULT_COLUMNS[name], **(bcfg.get("columns") or {})}
         # the boxed-answer instruction by default; none for MMIFEval (it would break its

@@ -782,6 +782,14 @@ def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, A
     return prepare_train(params, root)
 
 
+def _canonical_error() -> type[Exception]:
+    """``saopd.data.prepare.PrepareError``: the class the stage modules raise. Under ``python -m
+    saopd.data.prepare`` this file runs as ``__main__``, whose ``PrepareError`` is another class."""
+    from saopd.data.prepare import PrepareError as canonical
+
+    return canonical
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m saopd.data.prepare <stage> --params FILE`` (a stage of
     :data:`STAGES`).
@@ -799,7 +807,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params_path = Path(args.params)
     try:
         _run_stage(args.stage, load_params(params_path), params_path.resolve().parent)
-    except PrepareError as e:
+    except (PrepareError, _canonical_error()) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

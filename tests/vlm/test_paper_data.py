@@ -214,6 +214,39 @@ def test_command_line_and_sources(tmp_path: Path, monkeypatch, capsys) -> None:
         paper_vlm.prepare_vlm_train(hub, tmp_path, "prepare_vlm_reasoning")
 
 
+def test_source_none_prepares_nothing_and_says_so(tmp_path: Path) -> None:
+    params = train_params(tmp_path, "prepare_vlm_understanding", tmp_path / "absent")
+    params["prepare_vlm_understanding"]["source"] = "none"
+    (tmp_path / "prepare_vlm_understanding").mkdir()
+    (tmp_path / "prepare_vlm_understanding" / "old.jsonl").write_text("{}\n")
+    report = paper_vlm.prepare_vlm_train(params, tmp_path, "prepare_vlm_understanding")
+    assert report["prepared"] is False and "source: none" in report["message"]
+    assert [p.name for p in (tmp_path / "prepare_vlm_understanding").iterdir()] == [
+        "report.json"]
+    ev = eval_sources(tmp_path)
+    ev["prepare_vlm_eval"]["source"] = "none"
+    assert paper_vlm.prepare_vlm_eval(ev, tmp_path)["prepared"] is False
+    assert [p.name for p in (tmp_path / "vlm_eval").iterdir()] == ["report.json"]
+    params["prepare_vlm_understanding"]["source"] = "web"
+    with pytest.raises(PrepareError, match="source must be one of"):
+        paper_vlm.prepare_vlm_train(params, tmp_path, "prepare_vlm_understanding")
+
+
+def test_module_command_reports_stage_errors_without_a_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    params = train_params(tmp_path, "prepare_vlm_reasoning", tmp_path / "missing.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    res = subprocess.run([sys.executable, "-m", "saopd.data.prepare", "prepare_vlm_reasoning",
+                          "--params", str(tmp_path / "params.yaml")], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stderr
+    assert "local input not found" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_hub_without_datasets_says_how_to_go_offline() -> None:
     pytest.importorskip("PIL")
     try:
@@ -302,10 +335,9 @@ def eval_sources(tmp: Path) -> dict[str, Any]:
     local = {"evochart": "evochart.parquet", "mmifeval": "mmif/bench.jsonl",
              "countqa": "countqa.parquet", "mathvision": "mathvision.parquet",
              "geo3k": "geo3k.parquet", "mathvista": "mathvista.parquet"}
-    return {"prepare_vlm_eval": {
-        "skip_bad": False, "out_dir": str(tmp / "vlm_eval"),
-        "benchmarks": {n: {"source": "local", "local": {"path": str(tmp / p)}}
-                       for n, p in local.items()}}}
+    return {"prepare_vlm_eval": {  # the benchmarks inherit the stage's source
+        "source": "local", "skip_bad": False, "out_dir": str(tmp / "vlm_eval"),
+        "benchmarks": {n: {"local": {"path": str(tmp / p)}} for n, p in local.items()}}}
 
 
 def test_benchmarks_convert_with_their_formats(tmp_path: Path) -> None:
