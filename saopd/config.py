@@ -75,6 +75,9 @@ class RolloutConfig:
         verify_sync: check that every sync landed (cheap sums of embeddings and norms).
         model_dir: where the initial student is saved for vLLM (null = a temporary folder in
             ``/dev/shm``, removed at exit).
+        max_images_per_prompt: vLLM's image limit per prompt for vision-language students
+            (``limit_mm_per_prompt``; vLLM reserves memory for this many); a prompt with more
+            images is refused, naming it. Ignored by ``hf`` and for text models.
     """
 
     engine: str = "hf"
@@ -98,12 +101,14 @@ class RolloutConfig:
     in_process: bool = True
     verify_sync: bool = True
     model_dir: str | None = None
+    max_images_per_prompt: int = 4
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, ENGINES, owner="rollout")
         _positive_int("rollout", "n", self.n)
         _positive_int("rollout", "max_new_tokens", self.max_new_tokens)
         _positive_int("rollout", "batch_size", self.batch_size, allow_none=True)
+        _positive_int("rollout", "max_images_per_prompt", self.max_images_per_prompt)
         check_positive("temperature", self.temperature, owner="rollout")
         check_fraction("top_p", self.top_p, owner="rollout")
         if self.importance_ratio_cap is not None:
@@ -144,9 +149,9 @@ class DataConfig:
         residual_remove: ``source: vision`` only: what the residual context removes from the
             prompt: ``all`` (images and question, the default), ``image`` (images only) or
             ``text`` (question only, images kept).
-        chat_template_kwargs: extra chat-template variables for ``source: vision`` prompts, in
-            rollouts and contexts alike (``{enable_thinking: false}``: Qwen3.5's non-thinking
-            mode).
+        chat_template_kwargs: extra chat-template variables for every prompt source, in the
+            prompt-length filter, rollouts and contexts alike (``{enable_thinking: false}``:
+            Qwen3/Qwen3.5's non-thinking mode).
     """
 
     source: str = "gsm8k"

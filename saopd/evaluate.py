@@ -62,7 +62,7 @@ class EvalConfig:
             ungraded and left out of the score.
     """
 
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="unset"))
+    model: ModelConfig = MISSING  # conf/model/<name>.yaml (the defaults list: model@model)
     checkpoint: str | None = None
     run_id: str | None = None
     benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])

@@ -87,8 +87,9 @@ def _load_prompts(conf: TrainConfig, tokenizer: Any, processor: Any = None
     counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
     max_len = conf.data.max_prompt_length
     if max_len is not None and conf.data.long_prompts != "truncate":
-        records, n_long = filter_long_prompts(records, tokenizer, max_len,
-                                              mode=conf.data.long_prompts)
+        records, n_long = filter_long_prompts(
+            records, tokenizer, max_len, mode=conf.data.long_prompts,
+            chat_template_kwargs=conf.data.chat_template_kwargs)
         counts["prompts_skipped_long"] = n_long
     if not records:
         raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
@@ -137,17 +138,15 @@ def _build_vlm_pair(conf: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     return student, processor.tokenizer, teacher, teacher_processor.tokenizer, processor
 
 
-def _attach_vision(conf: TrainConfig, engine: Any, module: Any, processor: Any) -> None:
-    """VLMs (issue 7): images reach the rollouts (the engine's processor) and the contexts
-    (``module.vision_contexts``, residual ``data.residual_remove``)."""
+def _vision_contexts(conf: TrainConfig, processor: Any) -> Any:
+    """VLMs (issue 7): contexts with images and the residual ``data.residual_remove``; None for
+    text models."""
+    if processor is None:
+        return None
     from saopd.data.vision import VisionContexts
 
-    if not hasattr(engine, "set_processor"):
-        raise UserError(f"rollout engine {type(engine).__name__} does not take images yet; use "
-                        "rollout=hf for vision-language models")
-    engine.set_processor(processor, chat_template_kwargs=conf.data.chat_template_kwargs)
-    module.vision_contexts = VisionContexts(processor, remove=conf.data.residual_remove,
-                                            chat_template_kwargs=conf.data.chat_template_kwargs)
+    return VisionContexts(processor, remove=conf.data.residual_remove,
+                          chat_template_kwargs=conf.data.chat_template_kwargs)
 
 
 def _find_resume(conf: TrainConfig) -> Path | None:
@@ -225,7 +224,8 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         engine = build_engine(
             conf.rollout, student, tokenizer, max_prompt_length=conf.data.max_prompt_length,
             prompt_truncation="left" if conf.data.long_prompts == "truncate" else "error",
-            seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes)
+            seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes,
+            chat_template_kwargs=conf.data.chat_template_kwargs, processor=processor)
     except (ImportError, ValueError) as err:
         raise UserError(f"rollout: {err}") from None
     module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
@@ -233,9 +233,9 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
                        optim=conf.optim, step=conf.step, total_steps=conf.steps,
                        vocab_size=vocab.common_logits,
                        activation_checkpointing=conf.trainer.activation_checkpointing,
-                       fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision)
-    if processor is not None:
-        _attach_vision(conf, engine, module, processor)
+                       fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
+                       vision_contexts=_vision_contexts(conf, processor),
+                       chat_template_kwargs=conf.data.chat_template_kwargs)
     data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                             num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
 
@@ -270,7 +270,12 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         log_resolved_config(loggers[0], cfg)
         for name, value in data_counts.items():
             loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
-    trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    finally:  # an engine with its own copy of the model (vLLM) frees it: sweeps run in-process
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     summary = {"output_dir": str(out_dir), "steps": trainer.global_step, **run_info,

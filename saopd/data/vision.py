@@ -82,8 +82,10 @@ __all__ = [
     "VisionPrompt",
     "collate_vision_contexts",
     "encode_prompt",
+    "expand_image_tokens",
     "filter_long_vision_prompts",
     "has_images",
+    "image_token_counts",
     "load_image",
     "message_images",
     "message_text",
@@ -406,6 +408,34 @@ def _image_size(ref: Any) -> tuple[int, int]:
         return img.height, img.width
 
 
+def image_token_counts(processor: Any, refs: Sequence[Any]) -> list[int]:
+    """How many tokens each image's ``<|image_pad|>`` expands to, from the image sizes alone
+    (``get_number_of_image_patches / merge_size**2``; header reads, no pixels decoded): the
+    counts :func:`encode_prompt` gets from ``image_grid_thw``."""
+    ip = processor.image_processor
+    merge = int(ip.merge_size)
+    return [ip.get_number_of_image_patches(*_image_size(r), {}) // merge**2 for r in refs]
+
+
+def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequence[int]
+                        ) -> list[int]:
+    """``ids`` with its ``k``-th ``image_token_id`` repeated ``counts[k]`` times (what a Qwen-VL
+    processor does to the rendered prompt); ``ValueError`` when the placeholder count differs
+    from ``len(counts)``."""
+    found = sum(1 for t in ids if t == image_token_id)
+    if found != len(counts):
+        raise ValueError(f"the prompt holds {found} image placeholders for {len(counts)} images")
+    out: list[int] = []
+    k = 0
+    for t in ids:
+        if t == image_token_id:
+            out.extend([image_token_id] * int(counts[k]))
+            k += 1
+        else:
+            out.append(int(t))
+    return out
+
+
 def prompt_length(
     processor: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -413,16 +443,13 @@ def prompt_length(
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> int:
     """Token count of ``messages`` as :func:`encode_prompt` prepares them, image tokens included,
-    computed from the image sizes alone (``get_number_of_image_patches / merge_size**2`` per
-    image; no pixels are decoded), so a large prompt set is measured quickly."""
+    computed from the image sizes alone (:func:`image_token_counts`), so a large prompt set is
+    measured quickly."""
     text = _render(processor, messages, True, chat_template_kwargs)
     refs = message_images(messages)
     placeholder = getattr(processor, "image_token", "<|image_pad|>")
     n_text = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-    ip = processor.image_processor
-    merge = int(ip.merge_size)
-    images = sum(ip.get_number_of_image_patches(*_image_size(r), {}) // merge**2 for r in refs)
-    return n_text - text.count(placeholder) + images
+    return n_text - text.count(placeholder) + sum(image_token_counts(processor, refs))
 
 
 def filter_long_vision_prompts(
@@ -660,6 +687,11 @@ def collate_vision_contexts(
         if not msgs:
             raise ValueError(f"messages of row {i} is empty")
         ids_resp = _as_id_list(resp, i)
+        in_response = sorted(vision_set.intersection(ids_resp))
+        if in_response:
+            raise ValueError(f"row {i}: the response holds vision special token ids "
+                             f"{in_response} (a response cannot hold images; the rollout engines "
+                             "suppress them)")
         full = encode(msgs)
         prompt = full.ids
         if prompt_ids is not None and prompt_ids[i] is not None:

@@ -46,8 +46,12 @@ from saopd.signals import LMHead, Logits, TokenSignals
 from saopd.training.scoring import FrozenScores, ScoringNeeds, score_frozen, score_student
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from torch import nn
     from transformers import PreTrainedTokenizerBase
+
+    from saopd.data.vision import VisionContexts
 
 FROZEN_PREFIXES = ("teacher.", "reference.")
 SCHEDULES = ("constant", "linear", "cosine")
@@ -200,6 +204,11 @@ class OPDModule(L.LightningModule):
         activation_checkpointing: recompute the student's decoder layers in backward.
         fsdp_mixed_precision: ``"bf16"`` or None: FSDP2's compute dtype when the strategy is
             ``ModelParallelStrategy`` (``trainer.strategy=fsdp``); ignored otherwise.
+        vision_contexts: for a vision-language pair, how contexts are built
+            (:class:`saopd.data.vision.VisionContexts`: the student's processor, the residual
+            mode ``all`` / ``image`` / ``text``); None for text models.
+        chat_template_kwargs: passed to the chat template when contexts are rendered (text
+            models; a VLM's are in its ``vision_contexts``), e.g. ``enable_thinking: false``.
 
     Data parallelism (DDP, FSDP): each rank holds its share of the step's rollouts; the filter
     runs on the gathered global batch (:func:`~saopd.filters.distributed.batch_global_filter`)
@@ -213,7 +222,9 @@ class OPDModule(L.LightningModule):
                  optim: OptimConfig | None = None, step: StepConfig | None = None,
                  total_steps: int = 1, vocab_size: int | None = None,
                  activation_checkpointing: bool = False,
-                 fsdp_mixed_precision: str | None = None) -> None:
+                 fsdp_mixed_precision: str | None = None,
+                 vision_contexts: VisionContexts | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the student only (see on_save_checkpoint)
@@ -233,6 +244,10 @@ class OPDModule(L.LightningModule):
         self.vocab_size = vocab_size
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
+        # VLMs: contexts with images expanded and pixel values (saopd.data.vision); text models:
+        # collate_contexts with the chat template kwargs the rollout engine rendered with
+        self.vision_contexts = vision_contexts
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         extra = ("entropy_student",) if self.step_cfg.log_entropy else ()
         self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs, extra)
         self.metrics = TrainMetrics()
@@ -296,14 +311,14 @@ class OPDModule(L.LightningModule):
     # ---- the step ---------------------------------------------------------------------------
     def build_contexts(self, rollouts: RolloutBatch) -> PairedContextBatch:
         cfg = self.step_cfg
-        vision = getattr(self, "vision_contexts", None)  # saopd.data.vision.VisionContexts (VLMs)
-        if vision is not None:  # images expanded; pixel values ride in the batch's model_inputs
-            return vision.collate(rollouts, cfg).to(self.device)
+        if self.vision_contexts is not None:  # images expanded; pixel values in model_inputs
+            return self.vision_contexts.collate(rollouts, cfg).to(self.device)
         return collate_contexts(
             self.tokenizer, rollouts.row_messages(), [r.response_ids for r in rollouts.rollouts],
             residual=cfg.residual, keep_system=cfg.keep_system, neutral_prompt=cfg.neutral_prompt,
             max_length=cfg.max_length, truncation=cfg.truncation,
             prompt_ids=[r.prompt_ids for r in rollouts.rollouts],
+            chat_template_kwargs=self.chat_template_kwargs,
         ).to(self.device)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

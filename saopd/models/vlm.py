@@ -51,6 +51,7 @@ __all__ = [
     "image_only_processor",
     "load_vlm",
     "load_vlm_processor",
+    "save_processor_for_vllm",
     "tiny_vlm",
     "tiny_vlm_processor",
     "tiny_vlm_tokenizer",
@@ -65,6 +66,16 @@ VLM_FAMILIES: dict[str, str] = {
     "qwen3_vl_moe": "Qwen3VLProcessor",
     "qwen3_5": "Qwen3VLProcessor",
     "qwen3_5_moe": "Qwen3VLProcessor",
+}
+#: model_type -> transformers video processor class name (what vLLM's processors load; see
+#: :func:`save_processor_for_vllm`).
+VIDEO_PROCESSORS: dict[str, str] = {
+    "qwen2_vl": "Qwen2VLVideoProcessor",
+    "qwen2_5_vl": "Qwen2VLVideoProcessor",
+    "qwen3_vl": "Qwen3VLVideoProcessor",
+    "qwen3_vl_moe": "Qwen3VLVideoProcessor",
+    "qwen3_5": "Qwen3VLVideoProcessor",
+    "qwen3_5_moe": "Qwen3VLVideoProcessor",
 }
 #: Tiny random-init families that :func:`tiny_vlm` builds offline.
 TINY_VLM_KINDS = ("qwen2_vl", "qwen3_vl", "qwen3_5")
@@ -233,6 +244,45 @@ def load_vlm(
         raise ValueError(f"{os.fspath(name_or_path)!r} loaded as {type(model).__name__} "
                          f"({family!r}); supported VLM families: {sorted(VLM_FAMILIES)}")
     return model.eval()
+
+
+def save_processor_for_vllm(processor: Any, folder: str | os.PathLike, model_type: str) -> None:
+    """Save ``processor`` to ``folder`` so that vLLM builds the *same* image preprocessing.
+
+    vLLM loads the family's full processor (``Qwen2VLProcessor`` / ``Qwen3VLProcessor``), which
+    needs a video processor too; saopd's processors are image-only (no torchvision here). This
+    writes the processor files (``processor.save_pretrained``: tokenizer, chat template, image
+    processor settings), then rewrites ``processor_config.json`` with the family's processor
+    class and a ``video_processor`` entry whose patch, temporal patch and merge sizes, pixel
+    limits and normalisation are the image processor's (videos are never sent: the engine sets
+    vLLM's video limit to 0). vLLM then expands each ``<|image_pad|>`` to the same number of
+    tokens as :func:`saopd.data.vision.encode_prompt` (the engine checks this on every prompt).
+
+    Raises ``ValueError`` for a model type outside :data:`VLM_FAMILIES`.
+    """
+    import json
+
+    if model_type not in VLM_FAMILIES:
+        raise ValueError(f"save_processor_for_vllm: {model_type!r} is not a supported VLM family "
+                         f"{sorted(VLM_FAMILIES)}")
+    folder = os.fspath(folder)
+    processor.save_pretrained(folder)
+    path = os.path.join(folder, "processor_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    image = dict(config.get("image_processor") or processor.image_processor.to_dict())
+    config["processor_class"] = VLM_FAMILIES[model_type]
+    config["video_processor"] = {
+        "video_processor_type": VIDEO_PROCESSORS[model_type],
+        **{k: image[k] for k in ("patch_size", "temporal_patch_size", "merge_size", "size",
+                                 "image_mean", "image_std", "do_resize", "do_rescale",
+                                 "rescale_factor", "do_normalize", "do_convert_rgb")
+           if k in image},
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ hold their own copy of the weights (vLLM); engines that sample from the live stu
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -115,7 +115,8 @@ class RolloutBatch:
 
 
 def limit_prompts(
-    prompt_ids: Sequence[Sequence[int]], max_prompt_length: int | None, mode: str
+    prompt_ids: Sequence[Sequence[int]], max_prompt_length: int | None, mode: str,
+    *, protected: Collection[int] = (),
 ) -> tuple[list[tuple[int, list[int]]], int, int]:
     """Apply a prompt-length limit the way every engine does.
 
@@ -124,6 +125,9 @@ def limit_prompts(
         max_prompt_length: the limit (None = no limit).
         mode: ``"left"`` keeps a longer prompt's last ``max_prompt_length`` tokens, ``"error"``
             raises ``ValueError`` naming the prompt, ``"skip"`` drops it.
+        protected: token ids that left truncation must not cut (a VLM's image and vision
+            start/end tokens: an image cannot be cut in part); ``ValueError`` naming the prompt
+            when the dropped part holds one.
 
     Returns:
         ``(kept, num_truncated, num_skipped)``: ``kept`` lists ``(prompt index, ids)`` of the
@@ -148,6 +152,12 @@ def limit_prompts(
             if mode == "skip":
                 skipped += 1
                 continue
+            if protected and not set(ids[: len(ids) - max_prompt_length]).isdisjoint(protected):
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens > max_prompt_length {max_prompt_length}, "
+                    "and left truncation would cut into an image (image tokens cannot be "
+                    "truncated); raise max_prompt_length or lower the images' max_pixels"
+                )
             ids = ids[-max_prompt_length:]
             truncated += 1
         kept.append((i, ids))

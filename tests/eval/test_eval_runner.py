@@ -73,7 +73,7 @@ def compose_eval(tmp: Path, *overrides: str):
 def test_saopd_eval_on_a_tiny_model_writes_samples_and_logs(tmp_path: Path,
                                                              monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = compose_eval(tmp_path, "model.name_or_path=null", "+model.tiny=qwen3",
+    cfg = compose_eval(tmp_path, "model=tiny_qwen3",  # a config group, as users choose it
                        "benchmarks=[gsm8k]", "limit=3", "k=2", "max_new_tokens.gsm8k=8",
                        "grade_workers=1")
     out = run_eval(cfg)

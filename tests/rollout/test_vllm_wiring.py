@@ -121,7 +121,7 @@ def test_bad_vllm_values_name_the_key(override: str, match: str, tmp_path: Path)
         to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm", override))
 
 
-def test_factory_refuses_several_processes_and_vision(tmp_path: Path, tiny_tok) -> None:
+def test_factory_refuses_several_processes(tmp_path: Path, tiny_tok) -> None:
     from saopd.models.tiny import tiny_qwen3
 
     conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm")).rollout
@@ -130,9 +130,9 @@ def test_factory_refuses_several_processes_and_vision(tmp_path: Path, tiny_tok) 
         build_engine(conf, model, tiny_tok, devices=2)
     with pytest.raises(ValueError, match=r"start 4"):
         build_engine(conf, model, tiny_tok, devices=[0, 1], num_nodes=2)
-    model.config.vision_config = {"depth": 1}
-    with pytest.raises(ValueError, match="does not take images yet"):
-        build_engine(conf, model, tiny_tok)
+    with pytest.raises(ValueError, match=r"rollout.max_images_per_prompt must be"):
+        to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm",
+                                      "rollout.max_images_per_prompt=0"))
     assert num_training_processes("1") == 1 and num_training_processes([0, 1, 2]) == 3
 
 

@@ -189,6 +189,35 @@ def test_left_truncated_prompts_are_scored_as_sampled(make_cfg) -> None:
     assert seen and all(ids is not None and len(ids) <= 40 for ids in seen[0])
 
 
+def test_chat_template_kwargs_reach_text_rollouts_and_contexts(make_cfg) -> None:
+    # data.chat_template_kwargs (enable_thinking: false, the non-thinking mode of Qwen3's
+    # template) shape the sampled prompt and both contexts of a text model, not only a VLM's
+    from saopd.data.contexts import render_prompt_ids
+
+    seen: list = []
+    import saopd.lightning.module as module
+
+    original = module.collate_contexts
+
+    def spy(tokenizer, messages, responses, **kw):
+        seen.append((tokenizer, messages, kw))
+        return original(tokenizer, messages, responses, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(module, "collate_contexts", spy)
+    try:
+        train(make_cfg("experiment=tiny", "steps=1",
+                       "+data.chat_template_kwargs.enable_thinking=false", mlflow=False))
+    finally:
+        mp.undo()
+    tok, messages, kw = seen[0]
+    assert kw["chat_template_kwargs"] == {"enable_thinking": False}
+    off = render_prompt_ids(tok, messages[0], add_generation_prompt=True,
+                            chat_template_kwargs={"enable_thinking": False})
+    assert off != render_prompt_ids(tok, messages[0], add_generation_prompt=True)
+    assert kw["prompt_ids"][0] == off  # the engine sampled from the non-thinking prompt
+
+
 @pytest.mark.parametrize(
     "overrides",
     [[f"filter={name}"] for name in ("none", "random", "divergence_only", "ig_only",

@@ -77,3 +77,38 @@ def test_truncation_never_cuts_an_image_and_bad_processors_are_refused() -> None
     with pytest.raises(ValueError, match=r"prompt 0 holds images but the engine has no "
                                          r"processor"):
         HFGenerateEngine(model, proc.tokenizer).generate(chats()[:1], SamplingParams())
+
+
+def test_vision_tokens_are_never_sampled_and_logprobs_stay_raw() -> None:
+    """A random tiny VLM puts ~0.4% of its mass on the four vision special tokens: unsuppressed,
+    64 rows x 24 tokens would sample several. None may appear, and the recorded log-probs are
+    still those of the raw distribution (the suppression runs after the recorder)."""
+    from saopd.models.vlm import vision_token_ids
+
+    model, proc = tiny_pair("qwen2_vl")
+    vision = {t for t in vision_token_ids(proc).values() if t is not None}
+    engine = HFGenerateEngine(model, proc.tokenizer, processor=proc)
+    batch = engine.generate(chats(), SamplingParams(n=21, max_new_tokens=24, seed=1))
+    sampled = [t for r in batch.rollouts for t in r.response_ids]
+    assert len(sampled) > 1000 and vision.isdisjoint(sampled)
+    raw = HFGenerateEngine(model, proc.tokenizer)  # no processor: no suppression
+    text = raw.generate([chats()[2]] * 4, SamplingParams(n=16, max_new_tokens=24, seed=1))
+    assert not vision.isdisjoint(t for r in text.rollouts for t in r.response_ids)
+    ctx = collate_vision_contexts(proc, batch.row_messages()[:6],
+                                  [r.response_ids for r in batch.rollouts[:6]],
+                                  prompt_ids=[r.prompt_ids for r in batch.rollouts[:6]])
+    with torch.no_grad():
+        logits = model(**ctx.full.model_inputs()).logits
+    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
+    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
+    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])[:6]
+    torch.testing.assert_close(lp[ctx.response_mask], sampler[ctx.response_mask], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_a_response_holding_vision_tokens_is_refused_naming_the_row() -> None:
+    _, proc = tiny_pair("qwen2_vl")
+    pad = proc.image_token_id
+    with pytest.raises(ValueError, match=rf"row 1: the response holds vision special token ids "
+                                         rf"\[{pad}\]"):
+        collate_vision_contexts(proc, chats()[:2], [[5, 6], [7, pad, 8]])
