@@ -85,8 +85,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +104,7 @@ from saopd.data.prepare import (
     _section,
     _shown,
     seeded_sample,
+    staged_folder,
     write_json_atomic,
 )
 
@@ -337,23 +336,14 @@ def _source(cfg: Mapping[str, Any], where: str, default: str | None = None) -> s
 
 def _not_prepared(out_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
     """``source: none``: replace ``out_dir`` by a folder holding only ``report.json``."""
-    from saopd.data.synth_vqa import _swap_in
-
     where = report["stage"]
     report = {**report, "source": "none", "prepared": False, "message": (
         f"{where}: nothing prepared (source: none). Set {where}.source to 'hub' (needs the "
         "Hugging Face hub and `pip install datasets`) or 'local' (a downloaded snapshot) in "
         "params.yaml, then `dvc repro " + where + "`.")}
     logger.warning("%s", report["message"])
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.mkdir()
+    with staged_folder(out_dir) as tmp:
         write_json_atomic(tmp / "report.json", report)
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 
@@ -846,12 +836,6 @@ def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, An
 # ------------------------------------------------------------------------------------ output
 
 
-def _swap_in(tmp: Path, out_dir: Path) -> None:
-    from saopd.data.synth_vqa import _swap_in as swap  # one folder swap for every stage
-
-    swap(tmp, out_dir)
-
-
 def _write_folder(out_dir: Path, groups: Mapping[str, list[tuple[str, Item]]],
                   reports: StageReport | Mapping[str, StageReport], skip_bad: bool,
                   base_dirs: Path | Mapping[str, Path | None] | None,
@@ -865,10 +849,8 @@ def _write_folder(out_dir: Path, groups: Mapping[str, list[tuple[str, Item]]],
     report."""
     from saopd.data.vision import validate_messages
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
     results: dict[str, dict[str, Any]] = {}
-    try:
+    with staged_folder(out_dir) as tmp:
         for group, items in groups.items():
             report = reports if isinstance(reports, StageReport) else reports[group]
             base = base_dirs if not isinstance(base_dirs, Mapping) else base_dirs[group]
@@ -908,8 +890,4 @@ def _write_folder(out_dir: Path, groups: Mapping[str, list[tuple[str, Item]]],
                               "images_sha256": images_sha.hexdigest()}
         result = make_report(results)
         write_json_atomic(tmp / "report.json", result)
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result

@@ -42,12 +42,14 @@ of its inputs were read and checked, so no half-written file ever appears.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import re
+import shutil
 import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -356,6 +358,36 @@ def _encode(record: Mapping[str, Any]) -> str:
     for raw, escaped in _LINE_BREAKS.items():
         text = text.replace(raw, escaped)
     return text + "\n"
+
+
+def _swap_folder(tmp: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by the complete folder ``tmp`` (two renames; the old one is removed)."""
+    old = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.old")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        if old.exists() and not out_dir.exists():
+            os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: Path) -> Iterator[Path]:
+    """A new empty folder beside ``out_dir`` for a stage to write its whole output into: when the
+    block ends normally it replaces ``out_dir`` (:func:`_swap_folder`); when the block raises it
+    is removed and ``out_dir`` is left as it was, so a stage's output is never half-written."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _swap_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _atomic_write(path: Path, chunks: Iterable[str]) -> str:

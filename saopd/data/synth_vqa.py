@@ -36,8 +36,6 @@ import io
 import json
 import os
 import random
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,20 +236,6 @@ def synth_rows(split: str, n: int, *, seed: int = 0, image_size: int = 224,
 # ------------------------------------------------------------------------------------- stage
 
 
-def _swap_in(tmp: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by the complete folder ``tmp`` (two renames; the old one is removed)."""
-    old = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:
-        if old.exists() and not out_dir.exists():
-            os.replace(old, out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _int_param(cfg: Mapping[str, Any], key: str, default: int, minimum: int, where: str) -> int:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -268,7 +252,7 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
     sha256 of every JSONL and of the images) into a temporary folder, then swaps it in. Relative
     paths are taken from ``root``. Raises :class:`SynthError` for a bad parameter.
     """
-    from saopd.data.prepare import _encode  # one JSON-lines encoding for every stage
+    from saopd.data.prepare import _encode, staged_folder  # shared by every stage
 
     where = "prepare_vlm"
     cfg = params.get(where)
@@ -287,11 +271,9 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
     tasks = tuple(cfg.get("tasks") or TASKS)
     from PIL import __version__ as pillow_version
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
     report: dict[str, Any] = {"stage": where, "seed": seed, "image_size": size,
                               "tasks": list(tasks), "pillow": pillow_version, "splits": {}}
-    try:
+    with staged_folder(out_dir) as tmp:
         for split, n in splits.items():
             n = _int_param(splits, split, 0, 1, f"{where}.splits")
             rows = synth_rows(split, n, seed=seed, image_size=size, tasks=tasks)
@@ -311,8 +293,4 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
                 "images_sha256": images.hexdigest(),
             }
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report

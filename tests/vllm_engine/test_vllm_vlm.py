@@ -24,9 +24,9 @@ import lightning as L
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vlm"))
-from vlm_testing import chats, solid
+from vlm_testing import chats, solid, teacher_forced
 
-from saopd.data.vision import collate_vision_contexts, encode_prompt
+from saopd.data.vision import encode_prompt
 from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.rollout.vllm import VLLMEngine
@@ -45,20 +45,6 @@ def vlm(request):
     eng = VLLMEngine.from_model(model, tok, processor=proc, max_images_per_prompt=2, **ENGINE_KW)
     yield kind, proc, model, eng
     eng.close()
-
-
-def _teacher_forced(model, proc, batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(HF log-probs of the sampled tokens, the sampler's), over the valid response tokens, with
-    the training contexts' pixel values and 3D positions."""
-    ctx = collate_vision_contexts(proc, batch.row_messages(),
-                                  [r.response_ids for r in batch.rollouts],
-                                  prompt_ids=[r.prompt_ids for r in batch.rollouts])
-    with torch.no_grad():
-        logits = model(**ctx.full.model_inputs()).logits
-    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
-    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
-    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])
-    return lp[ctx.response_mask], sampler[ctx.response_mask]
 
 
 def test_prompts_expand_like_the_training_processor(vlm) -> None:
@@ -81,7 +67,7 @@ def test_sampled_logprobs_equal_hf_with_the_same_pixels(vlm) -> None:
     image_id = proc.image_token_id
     counts = [sum(t == image_id for t in r.prompt_ids) for r in batch.rollouts]
     assert counts[0] > 0 and counts[2] > counts[0] and counts[4] == 0
-    ours, hf = _teacher_forced(model, proc, batch)
+    ours, hf = teacher_forced(model, proc, batch)
     assert ours.numel() > 6
     torch.testing.assert_close(hf, ours, atol=LOGPROB_TOL, rtol=0)
 
@@ -98,9 +84,9 @@ def test_weight_sync_reaches_the_vision_tower(vlm) -> None:
     assert any(".visual." in f".{n}" for n in eng._verify_names)  # checked after the sync too
     sampling = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=5)
     batch = eng.generate(chats()[:2], sampling)
-    theirs, ours = _teacher_forced(new, proc, batch)
+    theirs, ours = teacher_forced(new, proc, batch)
     torch.testing.assert_close(theirs, ours, atol=LOGPROB_TOL, rtol=0)
-    old, _ = _teacher_forced(model, proc, batch)
+    old, _ = teacher_forced(model, proc, batch)
     assert (old - ours).abs().max() > 1e-3  # the old tower would have given other log-probs
     eng.load_weights(model.named_parameters())
 

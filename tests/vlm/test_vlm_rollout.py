@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_testing import chats, tiny_pair
+from vlm_testing import chats, teacher_forced, tiny_pair
 
 from saopd.data.contexts import render_prompt_ids
 from saopd.data.vision import collate_vision_contexts, encode_prompt
@@ -28,16 +28,8 @@ def test_batched_image_rollouts_match_single_prompts_and_scoring(kind: str) -> N
     image_tokens = [sum(t == proc.image_token_id for t in r.prompt_ids) for r in batch.rollouts]
     assert image_tokens[0] > 0 and image_tokens[2] > image_tokens[0] and image_tokens[4] == 0
 
-    ctx = collate_vision_contexts(proc, batch.row_messages(),
-                                  [r.response_ids for r in batch.rollouts],
-                                  prompt_ids=[r.prompt_ids for r in batch.rollouts])
-    with torch.no_grad():
-        logits = model(**ctx.full.model_inputs()).logits
-    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
-    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
-    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])
-    torch.testing.assert_close(lp[ctx.response_mask], sampler[ctx.response_mask], atol=1e-5,
-                               rtol=1e-5)
+    lp, sampler = teacher_forced(model, proc, batch)
+    torch.testing.assert_close(lp, sampler, atol=1e-5, rtol=1e-5)
 
 
 def test_sampled_rollouts_with_images_are_seeded() -> None:
@@ -94,16 +86,8 @@ def test_vision_tokens_are_never_sampled_and_logprobs_stay_raw() -> None:
     raw = HFGenerateEngine(model, proc.tokenizer)  # no processor: no suppression
     text = raw.generate([chats()[2]] * 4, SamplingParams(n=16, max_new_tokens=24, seed=1))
     assert not vision.isdisjoint(t for r in text.rollouts for t in r.response_ids)
-    ctx = collate_vision_contexts(proc, batch.row_messages()[:6],
-                                  [r.response_ids for r in batch.rollouts[:6]],
-                                  prompt_ids=[r.prompt_ids for r in batch.rollouts[:6]])
-    with torch.no_grad():
-        logits = model(**ctx.full.model_inputs()).logits
-    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
-    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
-    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])[:6]
-    torch.testing.assert_close(lp[ctx.response_mask], sampler[ctx.response_mask], atol=1e-5,
-                               rtol=1e-5)
+    lp, sampler = teacher_forced(model, proc, batch, rows=6)
+    torch.testing.assert_close(lp, sampler, atol=1e-5, rtol=1e-5)
 
 
 def test_a_response_holding_vision_tokens_is_refused_naming_the_row() -> None:

@@ -55,3 +55,24 @@ def chats() -> list[list[dict[str, Any]]]:
                                       {"type": "image", "image": blue}]}],
         [{"role": "user", "content": "What is 3 + 4?"}],
     ]
+
+
+def teacher_forced(model: Any, proc: Any, batch: Any, rows: int | None = None
+                   ) -> tuple[Any, Any]:
+    """(the model's log-probs of the sampled tokens, the sampler's), over the valid response
+    tokens of the first ``rows`` rollouts (all by default), scored in the training contexts
+    (same pixel values, 3D positions computed by the model)."""
+    import torch
+
+    from saopd.data.vision import collate_vision_contexts
+
+    rollouts = batch.rollouts[:rows]
+    ctx = collate_vision_contexts(proc, batch.row_messages()[:rows],
+                                  [r.response_ids for r in rollouts],
+                                  prompt_ids=[r.prompt_ids for r in rollouts])
+    with torch.no_grad():
+        logits = model(**ctx.full.model_inputs()).logits
+    index = ctx.full.gather_index[..., None].expand(-1, -1, logits.shape[-1])
+    lp = logits.gather(1, index).log_softmax(-1).gather(-1, ctx.response_ids[..., None])[..., 0]
+    sampler = batch.sampler_logprobs(ctx.response_ids.shape[1])[: len(rollouts)]
+    return lp[ctx.response_mask], sampler[ctx.response_mask]
