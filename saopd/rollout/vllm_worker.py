@@ -8,6 +8,7 @@ The module imports torch only (vLLM imports it inside its workers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,8 @@ class SaopdWorkerExtension:
             x = torch.randn(2, weight.shape[1], generator=gen).to(weight)
             want = torch.nn.functional.linear(x, weight).float()
             got = module.cpu_linear(x, weight, None).float()
-            if not torch.allclose(got, want, rtol=1e-2, atol=1e-3 * float(want.abs().max())):
-                stale.append(name)
+            scale = float(want.abs().max())
+            if not (math.isfinite(scale) and torch.isfinite(got).all()) or not torch.allclose(
+                    got, want, rtol=1e-2, atol=1e-3 * scale):
+                stale.append(name)  # non-finite (a NaN weight) counts as a failed check too
         return sums, stale

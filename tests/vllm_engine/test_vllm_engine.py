@@ -124,6 +124,18 @@ def test_bad_engine_options(tok, tmp_path) -> None:
             VLLMEngine.from_model(model, tok, model_dir=tmp_path / "m", **{**ENGINE_KW, **kwargs})
 
 
+def test_nan_weights_are_caught_at_sync_and_in_samples(tok) -> None:
+    good, bad = _model(tok, 1), _model(tok, 1)
+    with torch.no_grad():
+        bad.model.norm.weight.fill_(float("nan"))
+    with VLLMEngine.from_model(good, tok, **ENGINE_KW) as eng, \
+            pytest.raises(RuntimeError, match=r"sync check failed.*model\.norm\.weight"):
+        eng.load_weights(bad.named_parameters())
+    with VLLMEngine.from_model(bad, tok, **ENGINE_KW) as eng, \
+            pytest.raises(RuntimeError, match=r"non-finite sampled-token log-probs for prompt 0"):
+        eng.generate(CHATS[:1], SamplingParams(max_new_tokens=4, seed=0))
+
+
 @pytest.mark.slow
 def test_multiprocess_engine_syncs_through_files(tok) -> None:
     old, new = _model(tok, 1), _model(tok, 2)
