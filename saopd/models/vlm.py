@@ -78,7 +78,7 @@ VIDEO_PROCESSORS: dict[str, str] = {
     "qwen3_5_moe": "Qwen3VLVideoProcessor",
 }
 #: Tiny random-init families that :func:`tiny_vlm` builds offline.
-TINY_VLM_KINDS = ("qwen2_vl", "qwen3_vl", "qwen3_5")
+TINY_VLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: Qwen's vision special tokens (the tiny tokenizer gets them appended; Qwen's has them).
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -324,13 +324,13 @@ def tiny_vlm_processor(
 ) -> ProcessorMixin:
     """A PIL-only processor for a tiny model of family ``kind`` on ``tokenizer``.
 
-    Patch size 14 (Qwen2-VL) or 16 (Qwen3-VL, Qwen3.5), merge 2, temporal patch 2, so one image
-    token covers ``(2 * patch)**2`` pixels. Pixel limits default to 4 and 16 image tokens per
-    image (``min_pixels = 4 * (2 * patch)**2``, ``max_pixels = 16 * (2 * patch)**2``): a 224x224
+    Patch size 14 (Qwen2-VL, Qwen2.5-VL) or 16 (Qwen3-VL, Qwen3.5), merge 2, temporal patch 2, so
+    one image token covers ``(2 * patch)**2`` pixels. Pixel limits default to 4 and 16 image tokens
+    per image (``min_pixels = 4 * (2 * patch)**2``, ``max_pixels = 16 * (2 * patch)**2``): a 224x224
     image becomes a 4x4 grid of merged tokens, so CPU runs stay fast.
     """
     _check_tiny_kind(kind)
-    patch = 14 if kind == "qwen2_vl" else 16
+    patch = 14 if kind in ("qwen2_vl", "qwen2_5_vl") else 16
     unit = (2 * patch) ** 2
     pixels = _pixel_kwargs(min_pixels if min_pixels is not None else 4 * unit,
                            max_pixels if max_pixels is not None else 16 * unit)
@@ -348,7 +348,7 @@ def _check_tiny_kind(kind: str) -> None:
 
 def _tiny_vlm_config(kind: str, tokenizer: PreTrainedTokenizerBase, layers: int, hidden: int,
                      vision_depth: int, vision_hidden: int) -> Any:
-    from transformers import Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3_5Config, Qwen3VLConfig
 
     ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"),
@@ -370,6 +370,17 @@ def _tiny_vlm_config(kind: str, tokenizer: PreTrainedTokenizerBase, layers: int,
                   "spatial_merge_size": 2, "temporal_patch_size": 2}
         return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
                              **ids)
+    if kind == "qwen2_5_vl":  # Qwen2-VL's text model; a SwiGLU/RMSNorm tower with windowed
+        # attention (112-pixel windows) and full attention in its last block
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [4, 6, 6],
+                                   "rope_theta": 1e6}
+        vision = {"depth": vision_depth, "hidden_size": vision_hidden,
+                  "intermediate_size": 2 * vision_hidden, "num_heads": max(1, vision_hidden // 16),
+                  "out_hidden_size": hidden, "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "window_size": 112,
+                  "fullatt_block_indexes": [vision_depth - 1]}
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                **ids)
     vision = {"depth": vision_depth, "hidden_size": vision_hidden,
               "intermediate_size": 2 * vision_hidden, "num_heads": max(1, vision_hidden // 16),
               "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2,

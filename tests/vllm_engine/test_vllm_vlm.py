@@ -35,7 +35,7 @@ ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "ma
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def vlm(request):
     """(kind, processor, initial model, engine): one in-process engine at a time."""
     kind = request.param

@@ -13,7 +13,7 @@ from saopd.data.vision import collate_vision_contexts, encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_5"])
 def test_batched_image_rollouts_match_single_prompts_and_scoring(kind: str) -> None:
     model, proc = tiny_pair(kind)
     engine = HFGenerateEngine(model, proc.tokenizer, processor=proc, greedy=True)

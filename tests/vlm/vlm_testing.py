@@ -16,7 +16,7 @@ from PIL import Image
 from saopd.data.synth_vqa import prepare_vlm
 from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 
-KINDS = ("qwen2_vl", "qwen3_vl", "qwen3_5")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 @functools.cache
