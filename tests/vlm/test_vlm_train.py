@@ -93,6 +93,10 @@ def test_paper_vlm_setups_have_appendix_b_hyperparameters(
     assert conf.teacher.is_vision and conf.student.is_vision and conf.data.source == "vision"
     assert conf.data.chat_template_kwargs == {"enable_thinking": False}
     assert conf.eval.max_new_tokens == eval_tokens and conf.trainer.accelerator == "gpu"
+    # with vLLM rollouts the setup's sampling settings stay (the experiment merges after the group)
+    vllm = to_train_config(compose_train(tmp_path, f"experiment={experiment}", "rollout=vllm"))
+    assert vllm.rollout.engine == "vllm" and vllm.rollout.max_images_per_prompt == 4
+    assert (vllm.rollout.max_new_tokens, vllm.rollout.temperature) == (4096, 1.0)
 
 
 def test_evaluation_during_training_sees_the_images(make_cfg) -> None:
