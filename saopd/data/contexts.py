@@ -50,6 +50,7 @@ __all__ = [
     "Contexts",
     "PairedContextBatch",
     "build_contexts",
+    "check_collate_args",
     "collate_contexts",
     "gather_response_logprobs",
     "pad_contexts",
@@ -496,6 +497,21 @@ def pad_contexts(
     )
 
 
+def check_collate_args(messages: Sequence[Any], responses: Sequence[Any],
+                       prompt_ids: Sequence[Any] | None, *, residual: str,
+                       truncation: str) -> None:
+    """The argument checks every collate function shares (``ValueError`` naming the problem):
+    known ``residual`` / ``truncation`` modes and one row of ``messages`` (and of ``prompt_ids``,
+    when given) per response."""
+    _check_choice("residual", residual, RESIDUAL_MODES)
+    _check_choice("truncation", truncation, TRUNCATION_MODES)
+    if len(messages) != len(responses):
+        raise ValueError(f"messages has {len(messages)} rows but responses has {len(responses)}")
+    if prompt_ids is not None and len(prompt_ids) != len(responses):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but responses has "
+                         f"{len(responses)}")
+
+
 def collate_contexts(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Sequence[Message]],
@@ -527,13 +543,7 @@ def collate_contexts(
         lp_full = gather_response_logprobs(logits, batch.full.gather_index, batch.response_ids)
         # same for batch.residual -> [B, R]; valid where batch.response_mask
     """
-    _check_choice("residual", residual, RESIDUAL_MODES)
-    _check_choice("truncation", truncation, TRUNCATION_MODES)
-    if len(messages) != len(responses):
-        raise ValueError(f"messages has {len(messages)} rows but responses has {len(responses)}")
-    if prompt_ids is not None and len(prompt_ids) != len(responses):
-        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but responses has "
-                         f"{len(responses)}")
+    check_collate_args(messages, responses, prompt_ids, residual=residual, truncation=truncation)
     cache: dict[Any, list[int]] = {}
     contexts = [
         _build(

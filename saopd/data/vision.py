@@ -55,7 +55,6 @@ import torch
 from saopd.data.contexts import (
     DEFAULT_NEUTRAL_PROMPT,
     RESIDUAL_MODES,
-    TRUNCATION_MODES,
     ContextBatch,
     Contexts,
     PairedContextBatch,
@@ -63,6 +62,7 @@ from saopd.data.contexts import (
     _check_choice,
     _leading_system,
     _pad_id,
+    check_collate_args,
     pad_contexts,
     residual_start_token_id,
 )
@@ -663,13 +663,7 @@ def collate_vision_contexts(
         # gather at batch.full.gather_index [B, R] -> the response positions
     """
     _check_choice("remove", remove, VISION_RESIDUAL_MODES)
-    _check_choice("residual", residual, RESIDUAL_MODES)
-    _check_choice("truncation", truncation, TRUNCATION_MODES)
-    if len(messages) != len(responses):
-        raise ValueError(f"messages has {len(messages)} rows but responses has {len(responses)}")
-    if prompt_ids is not None and len(prompt_ids) != len(responses):
-        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but responses has "
-                         f"{len(responses)}")
+    check_collate_args(messages, responses, prompt_ids, residual=residual, truncation=truncation)
     from saopd.models.vlm import vision_token_ids
 
     tok_ids = vision_token_ids(processor)
