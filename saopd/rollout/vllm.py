@@ -436,6 +436,12 @@ class VLLMEngine:
         kwargs.update(llm_kwargs or {})
         with _preserve_process_state():
             self.llm = LLM(**kwargs)
+        if processor is not None and not callable(
+                getattr(self.llm.llm_engine, "reset_encoder_cache", None)):
+            self.close()
+            raise RuntimeError("this vLLM has no LLMEngine.reset_encoder_cache: after a weight "
+                               "sync it would reuse image embeddings of the old vision tower; "
+                               "vision-language rollouts need vLLM >= 0.32")
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = int(model_config.max_model_len)
         self.dtype: torch.dtype = model_config.dtype
