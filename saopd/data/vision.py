@@ -617,8 +617,8 @@ def _token_types(input_ids: torch.Tensor, ids: Mapping[str, int | None]) -> torc
     return types
 
 
-def _check_cut(ids: list[int], start: int, max_length: int | None, vision: set[int], row: int,
-               which: str) -> None:
+def _check_cut(ids: list[int], start: int, max_length: int | None, vision: frozenset[int],
+               row: int, which: str) -> None:
     """Left truncation must not cut an image: its pixel values would no longer match."""
     if max_length is None or len(ids) <= max_length:
         return
@@ -664,10 +664,10 @@ def collate_vision_contexts(
     """
     _check_choice("remove", remove, VISION_RESIDUAL_MODES)
     check_collate_args(messages, responses, prompt_ids, residual=residual, truncation=truncation)
-    from saopd.models.vlm import vision_token_ids
+    from saopd.models.vlm import vision_special_ids, vision_token_ids
 
     tok_ids = vision_token_ids(processor)
-    vision_set = {t for t in tok_ids.values() if t is not None}
+    vision_set = vision_special_ids(processor)
     cache: dict[str, VisionPrompt] = {}
 
     def encode(msgs: Sequence[Mapping[str, Any]]) -> VisionPrompt:

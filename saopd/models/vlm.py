@@ -46,6 +46,7 @@ __all__ = [
     "VISION_SPECIAL_TOKENS",
     "VLM_FAMILIES",
     "ProcessorReport",
+    "check_engine_processor",
     "check_model_matches_processor",
     "check_same_processor",
     "image_only_processor",
@@ -55,6 +56,7 @@ __all__ = [
     "tiny_vlm",
     "tiny_vlm_processor",
     "tiny_vlm_tokenizer",
+    "vision_special_ids",
     "vision_token_ids",
 ]
 
@@ -149,6 +151,24 @@ def vision_token_ids(processor: Any) -> dict[str, int | None]:
              "video": getattr(processor, "video_token", "<|video_pad|>"),
              "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
     return {k: vocab.get(v) for k, v in names.items()}
+
+
+def vision_special_ids(processor: Any) -> frozenset[int]:
+    """The ids of :func:`vision_token_ids` that the vocabulary has: what left truncation must not
+    cut (an image cannot be cut in part) and what a response may not hold."""
+    return frozenset(t for t in vision_token_ids(processor).values() if t is not None)
+
+
+def check_engine_processor(processor: Any, tokenizer: Any, owner: str) -> None:
+    """A rollout engine's processor check: ``ValueError`` (naming ``owner``) unless
+    ``processor`` is a Qwen-VL processor (has an image processor) whose tokenizer is the
+    engine's ``tokenizer`` itself."""
+    if getattr(processor, "tokenizer", None) is not tokenizer:
+        raise ValueError(f"{owner}: the processor's tokenizer must be the engine's tokenizer "
+                         "(pass processor.tokenizer as tokenizer)")
+    if getattr(processor, "image_processor", None) is None:
+        raise ValueError(f"{owner}: {type(processor).__name__} has no image processor "
+                         "(expected a Qwen-VL processor)")
 
 
 def _pil_image_processor(**kwargs: Any) -> Any:

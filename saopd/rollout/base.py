@@ -164,6 +164,17 @@ def limit_prompts(
     return kept, truncated, skipped
 
 
+def refuse_images(messages: Sequence[Sequence[Message]]) -> None:
+    """For an engine without a processor: ``ValueError`` naming the first prompt that holds an
+    image part."""
+    from saopd.data.vision import has_images
+
+    bad = next((i for i, chat in enumerate(messages) if has_images(chat)), None)
+    if bad is not None:
+        raise ValueError(f"prompt {bad} holds images but the engine has no processor "
+                         "(pass processor= for a vision-language model)")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What training needs from a sampler."""

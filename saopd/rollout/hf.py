@@ -47,7 +47,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saopd.data.contexts import render_prompt_ids
-from saopd.rollout.base import Message, Rollout, RolloutBatch, SamplingParams, limit_prompts
+from saopd.rollout.base import (
+    Message,
+    Rollout,
+    RolloutBatch,
+    SamplingParams,
+    limit_prompts,
+    refuse_images,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -259,6 +266,7 @@ class HFGenerateEngine:
         self.pad_token_id: int = int(pad) if pad is not None else stop[0]
         self.last_load_copied = 0  # tensors copied by the last load_weights call
         self.processor: Any | None = None
+        self._vision_ids: frozenset[int] = frozenset()  # the processor's vision special tokens
         if processor is not None:
             self.set_processor(processor)
 
@@ -266,13 +274,11 @@ class HFGenerateEngine:
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         """Sample from chats with images through ``processor`` (a Qwen-VL processor whose
         tokenizer is the engine's); ``chat_template_kwargs`` replace the engine's when given."""
-        if getattr(processor, "tokenizer", None) is not self.tokenizer:
-            raise ValueError("HFGenerateEngine: the processor's tokenizer must be the engine's "
-                             "tokenizer (pass processor.tokenizer as tokenizer)")
-        if getattr(processor, "image_processor", None) is None:
-            raise ValueError(f"HFGenerateEngine: {type(processor).__name__} has no image "
-                             "processor (expected a Qwen-VL processor)")
+        from saopd.models.vlm import check_engine_processor, vision_special_ids
+
+        check_engine_processor(processor, self.tokenizer, "HFGenerateEngine")
         self.processor = processor
+        self._vision_ids = vision_special_ids(processor)
         if chat_template_kwargs is not None:
             self.chat_template_kwargs = dict(chat_template_kwargs)
 
@@ -308,23 +314,15 @@ class HFGenerateEngine:
     ) -> tuple[list[tuple[int, list[int], Any]], int, int]:
         """(prompt index, ids, vision prompt or None) of the prompts to sample, and the
         truncated/skipped counts."""
-        from saopd.data.vision import has_images
-
-        visions: list[Any] = []
-        for i, chat in enumerate(messages):
-            if self.processor is None and has_images(chat):
-                raise ValueError(f"prompt {i} holds images but the engine has no processor "
-                                 "(pass processor= for a vision-language model)")
-            visions.append(self._encode(chat) if self.processor is not None else None)
+        if self.processor is None:
+            refuse_images(messages)
+        visions = [self._encode(chat) if self.processor is not None else None
+                   for chat in messages]
         ids = [list(v.ids) if v is not None else self.prompt_ids(chat)
                for v, chat in zip(visions, messages, strict=True)]
-        protected: set[int] = set()
-        if self.processor is not None:
-            from saopd.models.vlm import vision_token_ids
-
-            protected = {t for t in vision_token_ids(self.processor).values() if t is not None}
         limited, truncated, skipped = limit_prompts(ids, self.max_prompt_length,
-                                                    self.prompt_truncation, protected=protected)
+                                                    self.prompt_truncation,
+                                                    protected=self._vision_ids)
         kept = [(i, kept_ids, visions[i]) for i, kept_ids in limited]
         return kept, truncated, skipped
 
@@ -337,10 +335,7 @@ class HFGenerateEngine:
             return []
         from transformers import SuppressTokensLogitsProcessor
 
-        from saopd.models.vlm import vision_token_ids
-
-        ids = sorted(t for t in vision_token_ids(self.processor).values() if t is not None)
-        return [SuppressTokensLogitsProcessor(ids, device=device)]
+        return [SuppressTokensLogitsProcessor(sorted(self._vision_ids), device=device)]
 
     def _generation_config(self, sampling: SamplingParams) -> Any:
         from transformers import GenerationConfig

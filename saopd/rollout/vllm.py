@@ -130,6 +130,7 @@ from saopd.rollout.base import (
     RolloutBatch,
     SamplingParams,
     limit_prompts,
+    refuse_images,
 )
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
 
@@ -349,12 +350,9 @@ class VLLMEngine:
         _check_int("seed", seed, minimum=0)
         _check_int("max_images_per_prompt", max_images_per_prompt)
         if processor is not None:
-            if getattr(processor, "tokenizer", None) is not tokenizer:
-                raise ValueError("VLLMEngine: the processor's tokenizer must be the engine's "
-                                 "tokenizer (pass processor.tokenizer as tokenizer)")
-            if getattr(processor, "image_processor", None) is None:
-                raise ValueError(f"VLLMEngine: {type(processor).__name__} has no image "
-                                 "processor (expected a Qwen-VL processor)")
+            from saopd.models.vlm import check_engine_processor
+
+            check_engine_processor(processor, tokenizer, "VLLMEngine")
         _check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0)
         _check_number("kv_cache_gb", kv_cache_gb, low=0.0, high=None, allow_none=True)
         if sleep_level not in (1, 2):
@@ -375,11 +373,14 @@ class VLLMEngine:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.processor = processor
         self.max_images_per_prompt = max_images_per_prompt
-        self._vision_ids: set[int] = set()  # tokens left truncation must not cut
+        # the processor's vision special tokens (never cut, never sampled) and its image pad
+        self._vision_ids: frozenset[int] = frozenset()
+        self._image_id: int | None = None
         if processor is not None:
-            from saopd.models.vlm import vision_token_ids
+            from saopd.models.vlm import vision_special_ids, vision_token_ids
 
-            self._vision_ids = {t for t in vision_token_ids(processor).values() if t is not None}
+            self._vision_ids = vision_special_ids(processor)
+            self._image_id = vision_token_ids(processor)["image"]
         if stop_token_ids is not None:
             stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
             if not stop:
@@ -530,9 +531,10 @@ class VLLMEngine:
         raw = [int(t) for t in
                self.tokenizer(text, add_special_tokens=False)["input_ids"]]
         refs = message_images(messages)
-        image_id = self.tokenizer.convert_tokens_to_ids(
-            getattr(self.processor, "image_token", "<|image_pad|>"))
-        expanded = expand_image_tokens(raw, image_id, image_token_counts(self.processor, refs))
+        if self._image_id is None:
+            raise ValueError("the tokenizer has no image token")
+        expanded = expand_image_tokens(raw, self._image_id,
+                                       image_token_counts(self.processor, refs))
         return expanded, raw, refs
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
@@ -567,12 +569,7 @@ class VLLMEngine:
             raise TypeError("messages must be a sequence of chats (lists of message dicts)")
         chats = [list(chat) for chat in messages]
         if self.processor is None:
-            from saopd.data.vision import has_images
-
-            bad = next((i for i, c in enumerate(chats) if has_images(c)), None)
-            if bad is not None:
-                raise ValueError(f"prompt {bad} holds images but the engine has no processor "
-                                 "(pass processor= for a vision-language model)")
+            refuse_images(chats)
             requests = [(self.prompt_ids(c), None, []) for c in chats]
         else:
             requests = []
