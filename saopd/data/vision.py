@@ -89,6 +89,7 @@ __all__ = [
     "load_image",
     "message_images",
     "message_text",
+    "prompt_ids_from_sizes",
     "prompt_length",
     "read_vision_rows",
     "render_prompt_text",
@@ -436,6 +437,25 @@ def expand_image_tokens(ids: Sequence[int], image_token_id: int, counts: Sequenc
     return out
 
 
+def prompt_ids_from_sizes(
+    processor: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int], list[Any]]:
+    """``(expanded ids, unexpanded ids, image refs)`` of a chat with the generation prompt: the
+    ids :func:`encode_prompt` gives, computed from the image sizes alone
+    (:func:`image_token_counts`; no pixels decoded), and the same ids with one ``<|image_pad|>``
+    per image (what a vLLM multimodal request takes). ``ValueError`` when the placeholder count
+    differs from the chat's images."""
+    text = render_prompt_text(processor, messages, chat_template_kwargs=chat_template_kwargs)
+    raw = [int(t) for t in processor.tokenizer(text, add_special_tokens=False)["input_ids"]]
+    refs = message_images(messages)
+    image_id = processor.tokenizer.convert_tokens_to_ids(
+        getattr(processor, "image_token", "<|image_pad|>"))
+    return expand_image_tokens(raw, image_id, image_token_counts(processor, refs)), raw, refs
+
+
 def prompt_length(
     processor: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -443,13 +463,10 @@ def prompt_length(
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> int:
     """Token count of ``messages`` as :func:`encode_prompt` prepares them, image tokens included,
-    computed from the image sizes alone (:func:`image_token_counts`), so a large prompt set is
+    computed from the image sizes alone (:func:`prompt_ids_from_sizes`), so a large prompt set is
     measured quickly."""
-    text = _render(processor, messages, True, chat_template_kwargs)
-    refs = message_images(messages)
-    placeholder = getattr(processor, "image_token", "<|image_pad|>")
-    n_text = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-    return n_text - text.count(placeholder) + sum(image_token_counts(processor, refs))
+    return len(prompt_ids_from_sizes(processor, messages,
+                                     chat_template_kwargs=chat_template_kwargs)[0])
 
 
 def filter_long_vision_prompts(

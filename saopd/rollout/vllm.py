@@ -116,13 +116,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saopd.data.contexts import render_prompt_ids
-from saopd.data.vision import (
-    expand_image_tokens,
-    image_token_counts,
-    load_image,
-    message_images,
-    render_prompt_text,
-)
+from saopd.data.vision import load_image, prompt_ids_from_sizes
 from saopd.rollout.base import (
     PROMPT_TRUNCATION_MODES,
     Message,
@@ -373,14 +367,12 @@ class VLLMEngine:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.processor = processor
         self.max_images_per_prompt = max_images_per_prompt
-        # the processor's vision special tokens (never cut, never sampled) and its image pad
+        # the processor's vision special tokens (never cut, never sampled)
         self._vision_ids: frozenset[int] = frozenset()
-        self._image_id: int | None = None
         if processor is not None:
-            from saopd.models.vlm import vision_special_ids, vision_token_ids
+            from saopd.models.vlm import vision_special_ids
 
             self._vision_ids = vision_special_ids(processor)
-            self._image_id = vision_token_ids(processor)["image"]
         if stop_token_ids is not None:
             stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
             if not stop:
@@ -526,16 +518,8 @@ class VLLMEngine:
                         ) -> tuple[list[int], list[int], list[Any]]:
         """(expanded ids, unexpanded ids, PIL images) of a chat, for a vision-language model."""
         assert self.processor is not None
-        text = render_prompt_text(self.processor, messages,
-                                  chat_template_kwargs=self.chat_template_kwargs)
-        raw = [int(t) for t in
-               self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-        refs = message_images(messages)
-        if self._image_id is None:
-            raise ValueError("the tokenizer has no image token")
-        expanded = expand_image_tokens(raw, self._image_id,
-                                       image_token_counts(self.processor, refs))
-        return expanded, raw, refs
+        return prompt_ids_from_sizes(self.processor, messages,
+                                     chat_template_kwargs=self.chat_template_kwargs)
 
     def _sampling_params(self, sampling: SamplingParams, prompt_index: int) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
