@@ -228,51 +228,54 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
             chat_template_kwargs=conf.data.chat_template_kwargs, processor=processor)
     except (ImportError, ValueError) as err:
         raise UserError(f"rollout: {err}") from None
-    module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
-                       token_filter=token_filter, objective=objective, reference=reference,
-                       optim=conf.optim, step=conf.step, total_steps=conf.steps,
-                       vocab_size=vocab.common_logits,
-                       activation_checkpointing=conf.trainer.activation_checkpointing,
-                       fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
-                       vision_contexts=_vision_contexts(conf, processor),
-                       chat_template_kwargs=conf.data.chat_template_kwargs)
-    data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
-                            num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
-
-    # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
-    zero = _global_rank() == 0
-    loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None) if zero
-                         else ([], {}))
-    callbacks: list[L.Callback] = [
-        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
-        ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
-                        every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
-                        save_last=True, save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
-                        auto_insert_metric_name=False),
-    ]
-    if conf.trainer.view_every_n_steps:
-        callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
-    if conf.eval.every_n_steps:
-        callbacks.append(_eval_callback(conf, out_dir))
-    callbacks.extend(extra_callbacks or [])
-    trainer = L.Trainer(
-        accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
-        num_nodes=conf.trainer.num_nodes, strategy=_strategy(conf),
-        precision=conf.trainer.precision, max_steps=conf.steps, logger=loggers,
-        callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0,
-        limit_val_batches=0, enable_progress_bar=conf.trainer.progress_bar,
-        enable_model_summary=False, default_root_dir=str(out_dir),
-        use_distributed_sampler=False,  # PromptDataModule splits each step's batch by rank
-    )
-    if loggers and ckpt is None:
-        from saopd.tracking import log_resolved_config
-
-        log_resolved_config(loggers[0], cfg)
-        for name, value in data_counts.items():
-            loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
+    # from here on the engine is closed whatever happens: an engine with its own copy of the
+    # model (vLLM) must free it, since sweeps run their jobs in one process
     try:
+        module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
+                           token_filter=token_filter, objective=objective, reference=reference,
+                           optim=conf.optim, step=conf.step, total_steps=conf.steps,
+                           vocab_size=vocab.common_logits,
+                           activation_checkpointing=conf.trainer.activation_checkpointing,
+                           fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
+                           vision_contexts=_vision_contexts(conf, processor),
+                           chat_template_kwargs=conf.data.chat_template_kwargs)
+        data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
+                                num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
+
+        # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
+        zero = _global_rank() == 0
+        loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None) if zero
+                             else ([], {}))
+        callbacks: list[L.Callback] = [
+            RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
+            ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
+                            every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
+                            save_last=True,
+                            save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
+                            auto_insert_metric_name=False),
+        ]
+        if conf.trainer.view_every_n_steps:
+            callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
+        if conf.eval.every_n_steps:
+            callbacks.append(_eval_callback(conf, out_dir))
+        callbacks.extend(extra_callbacks or [])
+        trainer = L.Trainer(
+            accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
+            num_nodes=conf.trainer.num_nodes, strategy=_strategy(conf),
+            precision=conf.trainer.precision, max_steps=conf.steps, logger=loggers,
+            callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0,
+            limit_val_batches=0, enable_progress_bar=conf.trainer.progress_bar,
+            enable_model_summary=False, default_root_dir=str(out_dir),
+            use_distributed_sampler=False,  # PromptDataModule splits each step's batch by rank
+        )
+        if loggers and ckpt is None:
+            from saopd.tracking import log_resolved_config
+
+            log_resolved_config(loggers[0], cfg)
+            for name, value in data_counts.items():
+                loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
         trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
-    finally:  # an engine with its own copy of the model (vLLM) frees it: sweeps run in-process
+    finally:
         close = getattr(engine, "close", None)
         if callable(close):
             close()

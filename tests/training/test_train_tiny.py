@@ -218,6 +218,48 @@ def test_chat_template_kwargs_reach_text_rollouts_and_contexts(make_cfg) -> None
     assert kw["prompt_ids"][0] == off  # the engine sampled from the non-thinking prompt
 
 
+@pytest.mark.parametrize("where", ["before_fit", "in_fit"])
+def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: str) -> None:
+    # an engine holding its own model copy (vLLM) must be freed even when the run fails:
+    # sweeps run their jobs in one process
+    import saopd.rollout.factory as factory
+
+    built, real = [], factory.build_engine
+
+    class Closing:
+        closed = False
+
+        def __init__(self, engine) -> None:
+            self.engine = engine
+
+        def generate(self, *args, **kwargs):
+            return self.engine.generate(*args, **kwargs)
+
+        def close(self) -> None:
+            self.closed = True
+
+    def build(*args, **kwargs):
+        built.append(Closing(real(*args, **kwargs)))
+        return built[-1]
+
+    class Boom(L.Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            raise RuntimeError("boom")
+
+    def broken_logger(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(factory, "build_engine", build)
+    if where == "before_fit":  # the tracking set-up fails after the engine was built
+        import saopd.train as train_module
+
+        monkeypatch.setattr(train_module, "_make_logger", broken_logger)
+    with pytest.raises(RuntimeError, match="boom"):
+        train(make_cfg("experiment=tiny", "steps=1", mlflow=False),
+              extra_callbacks=[Boom()] if where == "in_fit" else [])
+    assert len(built) == 1 and built[0].closed
+
+
 @pytest.mark.parametrize(
     "overrides",
     [[f"filter={name}"] for name in ("none", "random", "divergence_only", "ig_only",
