@@ -16,76 +16,20 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import hydra
 import torch
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from saopd.models.factory import ModelConfig
+import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
+from saopd.config import register_schema
+from saopd.config.eval import EvalConfig
+from saopd.config.model import ModelConfig
 
 log = logging.getLogger("saopd.eval")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-DEFAULT_MAX_NEW_TOKENS = {"math500": 18000, "aime24": 18000, "aime25": 18000, "amc23": 18000,
-                          "minerva_math": 18000, "gsm8k": 1024,
-                          # VLM benchmarks (paper, Appendix B): 1,024 new tokens for visual
-                          # understanding, 4,096 for visual reasoning
-                          "synth_vqa": 1024, "evochart": 1024, "mmifeval": 1024, "countqa": 1024,
-                          "mathvision": 4096, "geo3k": 4096, "mathvista": 4096}
-
-
-@dataclass
-class EvalConfig:
-    """``saopd-eval``'s config (``conf/eval.yaml``).
-
-    Attributes:
-        model: the model to evaluate (hub id, path, tiny); ignored when ``checkpoint`` or
-            ``run_id`` names a training run, whose student config is used instead.
-        checkpoint: a saopd training checkpoint; its student weights are evaluated.
-        run_id: an MLflow training run: its last checkpoint is evaluated and the results are
-            logged into that run.
-        benchmarks: names (gsm8k, math500, aime24, aime25, amc23, minerva_math).
-        k: samples per problem (Avg@k); ``k_per_benchmark`` overrides it per benchmark.
-        temperature, top_p: sampling (the paper: 1.0, 0.95).
-        max_new_tokens: per benchmark; unnamed benchmarks use ``default_max_new_tokens``.
-        limit: evaluate only the first ``limit`` problems of each benchmark.
-        batch_size: problems per ``generate`` call.
-        grade_workers: processes grading answers (None = one per core).
-        device: where the model runs (cpu | cuda).
-        chat_template_kwargs: extra chat-template variables for vision-language models
-            (``{enable_thinking: false}``: Qwen3.5's non-thinking mode).
-        mmifeval_judge: ``"module:callable"`` of an LLM judge for MM-IFEval's judge-only
-            constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`); null: those are reported as
-            ungraded and left out of the score.
-    """
-
-    model: ModelConfig = MISSING  # conf/model/<name>.yaml (the defaults list: model@model)
-    checkpoint: str | None = None
-    run_id: str | None = None
-    benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])
-    data_dir: str = MISSING
-    k: int = 8
-    k_per_benchmark: dict[str, int] = field(default_factory=dict)
-    temperature: float = 1.0
-    top_p: float = 0.95
-    max_new_tokens: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_NEW_TOKENS))
-    default_max_new_tokens: int = 4096
-    limit: int | None = None
-    batch_size: int = 8
-    grade_workers: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    output_dir: str = MISSING
-    tracking_uri: str | None = None
-    experiment_name: str = "eval"
-    log_to_mlflow: bool = True
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    mmifeval_judge: str | None = None
-
-
 def load_judge(spec: str | None) -> Any:
     """The callable named by ``"package.module:attribute"`` (``mmifeval_judge``), None for None.
 
@@ -147,8 +91,8 @@ def _load_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, Any, in
 
 def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files."""
-    from saopd.data.prepare import write_jsonl_atomic
     from saopd.eval.runner import evaluate_benchmark, load_benchmark
+    from saopd.io import write_jsonl_atomic
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
 
@@ -229,7 +173,7 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
     return run_id
 
 
-ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+register_schema()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")

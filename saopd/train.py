@@ -23,7 +23,9 @@ import hydra
 import lightning as L
 from omegaconf import DictConfig
 
+import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import TrainConfig, register_schema, to_train_config
+from saopd.contexts import context_builder
 
 log = logging.getLogger("saopd.train")
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -51,7 +53,7 @@ def _build_filter_and_objective(conf: TrainConfig) -> tuple[Any, Any]:
 
 def _prepared_records(path: Path, conf: TrainConfig) -> tuple[list[Any], Any]:
     """Rows of the DVC pipeline's schema (``id``, ``messages``, ``answer``, ``source``)."""
-    from saopd.data.prompts import PromptRecord, load_jsonl
+    from saopd.prompts.text import PromptRecord, load_jsonl
 
     rows, report = load_jsonl(path, skip_bad=conf.data.skip_bad)
     records = []
@@ -68,7 +70,7 @@ def _prepared_records(path: Path, conf: TrainConfig) -> tuple[list[Any], Any]:
 
 def _load_prompts(conf: TrainConfig, tokenizer: Any, processor: Any = None
                   ) -> tuple[list[Any], dict[str, int]]:
-    from saopd.data.prompts import filter_long_prompts, gsm8k_records
+    from saopd.prompts.text import filter_long_prompts, gsm8k_records
 
     path = Path(conf.data.path)
     if not path.is_file():
@@ -100,7 +102,7 @@ def _vision_prompts(conf: TrainConfig, path: Path, processor: Any
                     ) -> tuple[list[Any], dict[str, int]]:
     """Prompts with images (``data.source: vision``), checked row by row; over-long prompts
     (counting their image tokens) are skipped or refused as ``data.long_prompts`` says."""
-    from saopd.data.vision import filter_long_vision_prompts, vision_records
+    from saopd.prompts.vision import filter_long_vision_prompts, vision_records
 
     if processor is None:
         raise UserError("data.source=vision needs vision-language models (a tiny vision kind or "
@@ -136,17 +138,6 @@ def _build_vlm_pair(conf: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
     check_same_processor(processor, teacher_processor,
                          chat_template_kwargs=conf.data.chat_template_kwargs)
     return student, processor.tokenizer, teacher, teacher_processor.tokenizer, processor
-
-
-def _vision_contexts(conf: TrainConfig, processor: Any) -> Any:
-    """VLMs (issue 7): contexts with images and the residual ``data.residual_remove``; None for
-    text models."""
-    if processor is None:
-        return None
-    from saopd.data.vision import VisionContexts
-
-    return VisionContexts(processor, remove=conf.data.residual_remove,
-                          chat_template_kwargs=conf.data.chat_template_kwargs)
 
 
 def _find_resume(conf: TrainConfig) -> Path | None:
@@ -188,7 +179,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     from saopd.models import check_same_vocabulary
     from saopd.models.factory import build_model
     from saopd.rollout.base import SamplingParams
-    from saopd.rollout.factory import build_engine, holds_weights
+    from saopd.rollout.registry import build_engine, holds_weights
 
     try:
         conf = to_train_config(cfg)
@@ -223,7 +214,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     try:
         engine = build_engine(
             conf.rollout, student, tokenizer, max_prompt_length=conf.data.max_prompt_length,
-            prompt_truncation="left" if conf.data.long_prompts == "truncate" else "error",
+            prompt_truncation="truncate" if conf.data.long_prompts == "truncate" else "error",
             seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes,
             chat_template_kwargs=conf.data.chat_template_kwargs, processor=processor)
     except (ImportError, ValueError) as err:
@@ -237,8 +228,9 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
                            vocab_size=vocab.common_logits,
                            activation_checkpointing=conf.trainer.activation_checkpointing,
                            fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
-                           vision_contexts=_vision_contexts(conf, processor),
-                           chat_template_kwargs=conf.data.chat_template_kwargs)
+                           contexts=context_builder(
+                               tokenizer, processor, residual_remove=conf.data.residual_remove,
+                               chat_template_kwargs=conf.data.chat_template_kwargs))
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
 

@@ -13,13 +13,13 @@ warm-up:
 - ``residual_full``: the two residual passes (teacher, student) as the step runs them;
 - ``residual_trimmed``: the same passes with rows that hold no SA-OPD candidate skipped and every
   kept row cut after its last candidate (the batch is cut at the longest kept prefix), i.e. the
-  most that skipping can save (:mod:`saopd.training.residual_plan`);
+  most that skipping can save (:mod:`saopd.scoring.residual_plan`);
 - ``teacher_two_calls`` / ``teacher_one_call``: the teacher's full and residual passes as two
   forwards or as one forward over the 2B rows (right-padded to the longer context).
 
 It also reports the candidate structure at p2 = 0.3 (and 0.1, about the effective p2 under the
 paper's FLMR bound): rows without a candidate, response slots after the last candidate, and
-whether the exactness certificate (:func:`~saopd.training.residual_plan.certify_selection`)
+whether the exactness certificate (:func:`~saopd.scoring.residual_plan.certify_selection`)
 holds, i.e. whether skipping would be exact at all.
 
     .venv/bin/python experiments/benchmarks/residual_savings.py \\
@@ -38,16 +38,17 @@ from typing import Any
 
 import torch
 
-from saopd.data.contexts import ContextBatch, PairedContextBatch, collate_contexts
-from saopd.data.prompts import GSM8K_DIR, gsm8k_records
+from saopd.config.model import ModelConfig
+from saopd.contexts.text import ContextBatch, PairedContextBatch, collate_contexts
 from saopd.filters import build_filter
-from saopd.models.factory import ModelConfig, build_model
+from saopd.models.factory import build_model
 from saopd.objectives import aggregate, build_objective
+from saopd.prompts.text import GSM8K_DIR, gsm8k_records
 from saopd.rollout.base import SamplingParams
 from saopd.rollout.hf import HFGenerateEngine
+from saopd.scoring.passes import ScoringNeeds, response_source, score_frozen, score_student
+from saopd.scoring.residual_plan import candidate_mask, certify_selection, residual_stops
 from saopd.signals import score_tokens
-from saopd.training.residual_plan import candidate_mask, certify_selection, residual_stops
-from saopd.training.scoring import ScoringNeeds, response_source, score_frozen, score_student
 
 
 def step(student: Any, teacher: Any, batch: PairedContextBatch, token_filter: Any,

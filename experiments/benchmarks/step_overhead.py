@@ -22,11 +22,12 @@ import time
 
 import torch
 
-from saopd.data.contexts import collate_contexts
+from saopd.config.model import ModelConfig
+from saopd.contexts.text import collate_contexts
 from saopd.filters import build_filter
-from saopd.models.factory import ModelConfig, build_model
+from saopd.models.factory import build_model
 from saopd.objectives import aggregate, build_objective
-from saopd.training.scoring import ScoringNeeds, score_frozen, score_student
+from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
             "clips in May. How many clips did Natalia sell altogether in April and May?")

@@ -54,7 +54,7 @@ def peak_mib() -> float:
 
 
 def gsm8k_prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
-    from saopd.data.prompts import GSM8K_DIR, gsm8k_records
+    from saopd.prompts.text import GSM8K_DIR, gsm8k_records
 
     records, _ = gsm8k_records(GSM8K_DIR / "train.jsonl")
     return [r.messages for r in random.Random(seed).sample(records, n)]
@@ -96,7 +96,8 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import DistillationConfig, DistillationTrainer
 
-    from saopd.models.factory import ModelConfig, build_model
+    from saopd.config.model import ModelConfig
+    from saopd.models.factory import build_model
 
     student, tok = build_model(ModelConfig(name_or_path="saopd:smollm2-135m-instruct",
                                            prune_every=3))

@@ -1,7 +1,7 @@
 """The planted-prior testbed: does SA-OPD filter a teacher's input-agnostic prior, and does the
 student then inherit less of it? (issue 8; ``README.md`` beside this file has the results)
 
-Teacher: SmolLM2-135M-Instruct wrapped in :class:`saopd.models.planted.PlantedPriorLM` (config
+Teacher: SmolLM2-135M-Instruct wrapped in :class:`saopd.testbeds.planted.PlantedPriorLM` (config
 ``conf/model/smollm2_135m_instruct_planted.yaml``): +``spurious_bonus`` nats on 17 template
 tokens ("So", " Therefore", " Let", " step", ...) in every context, +``grounded_bonus`` on the
 tokens of the row's prompt. Student: its 10-layer pruned copy. Three phases, one command::
@@ -102,8 +102,8 @@ def filter_params(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- models and prompts ----------------------------------------------------------------------
 def build_pair(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    from saopd.models.factory import ModelConfig, build_model
-    from saopd.models.planted import PlantedConfig
+    from saopd.config.model import ModelConfig, PlantedConfig
+    from saopd.models.factory import build_model
 
     student, tok = build_model(ModelConfig(name_or_path="saopd:smollm2-135m-instruct",
                                            prune_every=3 if args.student == "pruned" else None))
@@ -119,7 +119,7 @@ def prompts(split: str, n: int, seed: int | None) -> list[Any]:
     """``n`` GSM8K records of ``split``: a seeded sample of train, or the first n of test."""
     import random
 
-    from saopd.data.prompts import GSM8K_DIR, gsm8k_records
+    from saopd.prompts.text import GSM8K_DIR, gsm8k_records
 
     records, _ = gsm8k_records(GSM8K_DIR / f"{split}.jsonl")
     if seed is None:
@@ -134,9 +134,10 @@ def bias_contributions(teacher: Any, tok: Any, batch: Any, args: argparse.Namesp
     dA_s = lp_base - lp_{spurious only} and dA_g = lp_base - lp_{grounded only}, scored on the
     full context with teachers that share the base model and carry one bias each. (With the
     unpruned student, lp_base = lpS, so A_full ~ dA_s + dA_g: the biases are all of it.)"""
-    from saopd.models.planted import PlantedConfig, plant_priors
+    from saopd.config.model import PlantedConfig
+    from saopd.scoring.passes import response_source
     from saopd.signals import score_tokens
-    from saopd.training.scoring import response_source
+    from saopd.testbeds.planted import plant_priors
 
     def lp(model: Any) -> torch.Tensor:
         return score_tokens(response_source(model, batch.full), batch.response_ids).logprobs
@@ -164,11 +165,11 @@ def source_classes(d_s: torch.Tensor, d_g: torch.Tensor, valid: torch.Tensor,
 
 
 def filter_rates(args: argparse.Namespace) -> dict[str, Any]:
-    from saopd.data.contexts import collate_contexts
+    from saopd.contexts.text import collate_contexts
     from saopd.filters import build_filter
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
-    from saopd.training.scoring import ScoringNeeds, score_frozen, score_student
+    from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
 
     student, teacher, tok = build_pair(args)
     engine = HFGenerateEngine(student, tok, max_prompt_length=256, prompt_truncation="skip")
@@ -243,12 +244,12 @@ def eval_batch(student: Any, tok: Any, args: argparse.Namespace) -> tuple[list[A
     """The fixed evaluation problems and fixed contexts: one response per problem sampled once
     from the untrained student (seed 0), collated as full contexts for the template-mass
     measurement."""
-    from saopd.data.contexts import collate_contexts
+    from saopd.contexts.text import collate_contexts
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
 
     recs = prompts("test", args.eval_problems, seed=None)
-    engine = HFGenerateEngine(student, tok, max_prompt_length=256, prompt_truncation="left")
+    engine = HFGenerateEngine(student, tok, max_prompt_length=256, prompt_truncation="truncate")
     rollouts = engine.generate([r.messages for r in recs], SamplingParams(
         n=1, temperature=1.0, top_p=1.0, max_new_tokens=args.eval_max_new_tokens, seed=0))
     batch = collate_contexts(tok, rollouts.row_messages(),
@@ -285,14 +286,14 @@ def emission_stats(student: Any, teacher: Any, tok: Any, args: argparse.Namespac
                    seed: int, fixed: tuple[list[Any], Any]) -> dict[str, Any]:
     """Template mass on the fixed contexts; then one sampled response per fixed problem:
     template-token rate, prompt-copy rate and accuracy."""
-    from saopd.data.contexts import collate_contexts
+    from saopd.contexts.text import collate_contexts
     from saopd.eval.math import grade_many
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
 
     recs, fixed_batch = fixed
     out: dict[str, Any] = template_mass(student, teacher, fixed_batch)
-    engine = HFGenerateEngine(student, tok, max_prompt_length=256, prompt_truncation="left",
+    engine = HFGenerateEngine(student, tok, max_prompt_length=256, prompt_truncation="truncate",
                               batch_size=args.eval_batch)
     sampling = SamplingParams(n=1, temperature=1.0, top_p=1.0,
                               max_new_tokens=args.eval_max_new_tokens, seed=1_000 + seed)

@@ -92,9 +92,9 @@ class ResponseRecord:
         if tokens is None:
             if tokenizer is None:
                 raise ValueError("this record holds no token texts: pass the run's tokenizer")
-            from saopd.analysis.token_view import _decode_tokens
+            from saopd.analysis.token_view import decode_tokens
 
-            tokens = _decode_tokens(tokenizer, self.response_ids)
+            tokens = decode_tokens(tokenizer, self.response_ids)
         return TokenRow(prompt=self.prompt, tokens=list(tokens), a_full=list(self.a_full),
                         a_res=None if self.a_res is None else list(self.a_res),
                         filtered=list(self.filtered),

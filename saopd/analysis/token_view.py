@@ -121,7 +121,7 @@ def _as_rows(name: str, x: Any) -> list[list[Any]]:
     return [list(r) for r in x]
 
 
-def _decode_tokens(tokenizer: Any, ids: list[int]) -> list[str]:
+def decode_tokens(tokenizer: Any, ids: list[int]) -> list[str]:
     """Text of each id on its own, so byte-level BPE markers (Ġ, Ċ) become spaces/newlines."""
     pieces = tokenizer.convert_ids_to_tokens(ids)
     out = []
@@ -178,7 +178,7 @@ def token_rows_from_batch(tokenizer: Any, prompts: list[str], response_ids: Any,
 
         rows.append(TokenRow(
             prompt=prompts[b],
-            tokens=_decode_tokens(tokenizer, [int(ids_rows[b][t]) for t in cols]),
+            tokens=decode_tokens(tokenizer, [int(ids_rows[b][t]) for t in cols]),
             a_full=floats("a_full") or [],
             a_res=floats("a_res"),
             filtered=[bool(tables["filtered"][b][t]) for t in cols],

@@ -6,7 +6,7 @@ problems of the fraction of correct samples (Avg@k; with k = 1 it is plain accur
 is kept in a JSONL (problem id, sample index, response, extracted answer, correct).
 
 Vision-language benchmarks: rows whose user turn holds image parts (paths relative to the JSONL,
-checked by :func:`saopd.data.vision.read_vision_rows`) and whose ``metadata["format"]`` is
+checked by :func:`saopd.prompts.vision.read_vision_rows`) and whose ``metadata["format"]`` is
 ``count``, ``choice`` or ``numeric`` are graded by :func:`saopd.eval.vision.grade_vision`
 (counting exact match, option letters, numbers within a relative tolerance, short text); the
 engine must then have the model's processor. ``synth_vqa`` names the test split of ``dvc repro
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from saopd.data.prompts import gsm8k_records, load_jsonl
+from saopd.prompts.text import gsm8k_records, load_jsonl
 from saopd.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
     read with their image paths checked and resolved), or a vision benchmark of
     :data:`VISION_BENCHMARKS` (``synth_vqa``: ``dvc repro prepare_vlm``)."""
     if name == "gsm8k":
-        from saopd.data.prompts import GSM8K_DIR
+        from saopd.prompts.text import GSM8K_DIR
 
         records, _ = gsm8k_records(GSM8K_DIR / "test.jsonl", limit=limit, skip_bad=skip_bad)
         return [EvalProblem(r.id, r.messages, r.answer or "", "gsm8k") for r in records]
@@ -121,7 +121,7 @@ def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
 def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
                      ) -> list[EvalProblem]:
     """Rows with images: messages validated, image paths made absolute (``file:line`` errors)."""
-    from saopd.data.vision import read_vision_rows
+    from saopd.prompts.vision import read_vision_rows
 
     rows, _ = read_vision_rows(path, limit=limit, skip_bad=skip_bad, required=REQUIRED_FIELDS)
     return [EvalProblem(str(r["id"]), r["messages"], str(r["answer"]), r.get("source", name),
@@ -145,7 +145,7 @@ def _grade(samples: list[dict[str, Any]], problems: dict[str, EvalProblem],
         problem = problems[s["id"]]
         meta = problem.metadata
         if meta.get("format") == "mmifeval":
-            from saopd.data.vision import message_images
+            from saopd.prompts.vision import message_images
 
             res_if = grade_mmifeval(s["response"], meta, judge=judge,
                                     images=[str(p) for p in message_images(problem.messages)])

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from saopd._checks import check_fraction
 from saopd.filters.base import (
     FILTERS,
     FilterResult,
@@ -35,6 +34,7 @@ from saopd.filters.ranks import (
 )
 from saopd.filters.sa_opd import SAOPDParams
 from saopd.signals.token_signals import TokenSignals
+from saopd.validation import check_fraction
 
 _RESIDUAL = ("lp_student_res", "lp_teacher_res")
 

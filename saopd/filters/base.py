@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from saopd._registry import Registry
+from saopd.registry import Registry
 from saopd.signals.token_signals import TokenSignals
 
 FLMR_EPS: float = 1e-8

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from saopd._checks import check_fraction, check_positive
 from saopd.filters.base import FILTERS, FilterResult, TokenFilter, result_from_filtered
 from saopd.filters.ranks import count_for, smallest_k_mask
 from saopd.signals.token_signals import TokenSignals
+from saopd.validation import check_fraction, check_positive
 
 
 def fire_token_weights(entropy_student: torch.Tensor, entropy_teacher: torch.Tensor,

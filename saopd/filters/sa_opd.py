@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saopd._checks import check_choice, check_fraction, check_same_shape
+from saopd.choices import EXTREMES
 from saopd.filters.base import (
     FILTERS,
     FLMR_EPS,
@@ -30,8 +30,7 @@ from saopd.filters.base import (
 )
 from saopd.filters.ranks import IntersectionPath, alpha_to_fill, compact_valid
 from saopd.signals.token_signals import TokenSignals
-
-EXTREMES = ("abs", "two_sided")
+from saopd.validation import check_choice, check_fraction, check_same_shape
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from saopd._checks import check_fraction
 from saopd.filters.base import (
     FILTERS,
     FilterResult,
@@ -22,6 +21,7 @@ from saopd.filters.base import (
     result_from_filtered,
     scatter_valid,
 )
+from saopd.validation import check_fraction
 
 
 def _min_max(x: torch.Tensor) -> torch.Tensor:

@@ -140,16 +140,17 @@ class EvalCallback(L.Callback):
         done = trainer.global_step
         if done % self.every_n_steps != 0:
             return
-        from saopd.data.prepare import write_jsonl_atomic
         from saopd.eval.runner import evaluate_benchmark
+        from saopd.io import write_jsonl_atomic
         from saopd.rollout.hf import HFGenerateEngine
 
         step = done - 1
         engine = HFGenerateEngine(pl_module.student, pl_module.tokenizer,
                                   batch_size=self.batch_size)
-        vision = getattr(pl_module, "vision_contexts", None)
-        if vision is not None:  # a vision-language student: prompts may hold images
-            engine.set_processor(vision.processor, chat_template_kwargs=vision.chat_template_kwargs)
+        contexts = pl_module.contexts
+        if contexts.processor is not None:  # a vision-language student: prompts may hold images
+            engine.set_processor(contexts.processor,
+                                 chat_template_kwargs=contexts.chat_template_kwargs)
         metrics = {}
         for name, problems in self.problems.items():
             res = evaluate_benchmark(name, problems, engine, pl_module.tokenizer, self.sampling,

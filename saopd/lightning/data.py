@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
-from saopd.data.prompts import PromptDataset, PromptRecord, PromptSampler, collate_prompts
+from saopd.prompts.text import PromptDataset, PromptRecord, PromptSampler, collate_prompts
 
 
 class StepBatchSampler(Sampler[list[int]]):

@@ -20,139 +20,38 @@ full-batch gradient.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
 
-from saopd._checks import check_choice, check_positive
-from saopd.data.contexts import TRUNCATION_MODES, PairedContextBatch, collate_contexts
+from saopd.config.step import OptimConfig, StepConfig
+from saopd.contexts import ContextBuilder, TextContexts
+from saopd.contexts.text import PairedContextBatch
 from saopd.filters import FilterResult, TokenFilter
 from saopd.filters.distributed import batch_global_filter
 from saopd.lightning.metrics import TrainMetrics
-from saopd.lightning.sharding import (
+from saopd.models.sharding import (
     all_reduce_sum,
     dp_world_size,
     enable_activation_checkpointing,
     no_backward_sync,
     shard_model,
 )
-from saopd.objectives import AGGREGATIONS, Objective, aggregate
+from saopd.objectives import Objective, aggregate
 from saopd.rollout.base import RolloutBatch
+from saopd.scoring.passes import FrozenScores, ScoringNeeds, score_frozen, score_student
 from saopd.signals import LMHead, Logits, TokenSignals
-from saopd.training.scoring import FrozenScores, ScoringNeeds, score_frozen, score_student
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
 
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
-    from saopd.data.vision import VisionContexts
 
 FROZEN_PREFIXES = ("teacher.", "reference.")
 SCHEDULES = ("constant", "linear", "cosine")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW and its learning-rate schedule.
-
-    Attributes:
-        lr: peak learning rate (paper: 1e-6).
-        weight_decay: AdamW weight decay.
-        beta1, beta2, eps: AdamW moments.
-        warmup_steps: linear warm-up from 0 to ``lr``.
-        schedule: after warm-up, ``constant``, ``linear`` or ``cosine`` decay to
-            ``min_lr_ratio * lr`` at the last step.
-        min_lr_ratio: floor of the decay as a fraction of ``lr``.
-        grad_clip: clip the global gradient norm to this value (None = no clipping).
-    """
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    min_lr_ratio: float = 0.0
-    grad_clip: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        check_positive("lr", self.lr, owner="optim")
-        check_positive("weight_decay", self.weight_decay, owner="optim", allow_zero=True)
-        check_positive("eps", self.eps, owner="optim")
-        for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"optim.{name} must be in [0, 1), got {value!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        check_choice("schedule", self.schedule, SCHEDULES, owner="optim")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if self.grad_clip is not None:
-            check_positive("grad_clip", self.grad_clip, owner="optim")
-
-    def lr_factor(self, step: int, total_steps: int) -> float:
-        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.schedule == "constant":
-            return 1.0
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        decay = 1.0 - progress if self.schedule == "linear" else 0.5 * (1 + math.cos(math.pi *
-                                                                                    progress))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * decay
-
-
-@dataclass
-class StepConfig:
-    """How one training step builds contexts and reduces the loss.
-
-    Attributes:
-        aggregation: ``token-mean`` (Eq. 19), ``seq-mean-token-mean`` or ``token-sum``.
-        micro_batch_size: rollouts per forward/backward of the student (None = all at once);
-            the filter always sees the whole step's batch.
-        chunk_size: positions per chunk of the log-prob computation (None = ~256 MiB blocks).
-        residual: residual context: ``empty_user`` | ``response_only`` | ``neutral_prompt``.
-        keep_system: keep the user's system prompt in the residual context.
-        neutral_prompt: the instruction of the ``neutral_prompt`` residual.
-        max_length: longest context in tokens (prompt + response); None = no limit.
-        truncation: prompts that do not fit: ``left`` (cut the prompt's start, counted) or
-            ``error``.
-        seed: seed of the step-level randomness (the random filter), combined with the step.
-        log_entropy: compute the student's entropy H_S at every response token even when the
-            filter and objective do not need it, to log the mean entropy of filtered vs kept
-            tokens (``train/entropy_student_filtered`` / ``_kept``; the paper's Figure 3b) and
-            keep it in the token records. Costs one extra pass over each logit chunk.
-    """
-
-    aggregation: str = "token-mean"
-    micro_batch_size: int | None = None
-    chunk_size: int | None = None
-    residual: str = "empty_user"
-    keep_system: bool = False
-    neutral_prompt: str = "Please answer the question."
-    max_length: int | None = None
-    truncation: str = "left"
-    seed: int = 0
-    log_entropy: bool = False
-
-    def __post_init__(self) -> None:
-        check_choice("aggregation", self.aggregation, AGGREGATIONS, owner="step")
-        check_choice("residual", self.residual, ("empty_user", "response_only",
-                                                 "neutral_prompt"), owner="step")
-        check_choice("truncation", self.truncation, TRUNCATION_MODES, owner="step")
-        for name in ("micro_batch_size", "chunk_size", "max_length"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"step.{name} must be null or an int >= 1, got {value!r}")
 
 
 def _rows(t: Any, rows: slice) -> Any:
@@ -204,11 +103,9 @@ class OPDModule(L.LightningModule):
         activation_checkpointing: recompute the student's decoder layers in backward.
         fsdp_mixed_precision: ``"bf16"`` or None: FSDP2's compute dtype when the strategy is
             ``ModelParallelStrategy`` (``trainer.strategy=fsdp``); ignored otherwise.
-        vision_contexts: for a vision-language pair, how contexts are built
-            (:class:`saopd.data.vision.VisionContexts`: the student's processor, the residual
-            mode ``all`` / ``image`` / ``text``); None for text models.
-        chat_template_kwargs: passed to the chat template when contexts are rendered (text
-            models; a VLM's are in its ``vision_contexts``), e.g. ``enable_thinking: false``.
+        contexts: how the step's contexts are built (:func:`saopd.contexts.context_builder`:
+            text or vision-language, chosen once); None = :class:`~saopd.contexts.TextContexts`
+            on ``tokenizer`` with no extra template variables.
 
     Data parallelism (DDP, FSDP): each rank holds its share of the step's rollouts; the filter
     runs on the gathered global batch (:func:`~saopd.filters.distributed.batch_global_filter`)
@@ -223,8 +120,7 @@ class OPDModule(L.LightningModule):
                  total_steps: int = 1, vocab_size: int | None = None,
                  activation_checkpointing: bool = False,
                  fsdp_mixed_precision: str | None = None,
-                 vision_contexts: VisionContexts | None = None,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 contexts: ContextBuilder | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the student only (see on_save_checkpoint)
@@ -244,10 +140,7 @@ class OPDModule(L.LightningModule):
         self.vocab_size = vocab_size
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
-        # VLMs: contexts with images expanded and pixel values (saopd.data.vision); text models:
-        # collate_contexts with the chat template kwargs the rollout engine rendered with
-        self.vision_contexts = vision_contexts
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.contexts = contexts if contexts is not None else TextContexts(tokenizer)
         extra = ("entropy_student",) if self.step_cfg.log_entropy else ()
         self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs, extra)
         self.metrics = TrainMetrics()
@@ -310,15 +203,10 @@ class OPDModule(L.LightningModule):
 
     # ---- the step ---------------------------------------------------------------------------
     def build_contexts(self, rollouts: RolloutBatch) -> PairedContextBatch:
-        cfg = self.step_cfg
-        if self.vision_contexts is not None:  # images expanded; pixel values in model_inputs
-            return self.vision_contexts.collate(rollouts, cfg).to(self.device)
-        return collate_contexts(
-            self.tokenizer, rollouts.row_messages(), [r.response_ids for r in rollouts.rollouts],
-            residual=cfg.residual, keep_system=cfg.keep_system, neutral_prompt=cfg.neutral_prompt,
-            max_length=cfg.max_length, truncation=cfg.truncation,
-            prompt_ids=[r.prompt_ids for r in rollouts.rollouts],
-            chat_template_kwargs=self.chat_template_kwargs,
+        """The step's full and residual contexts (:attr:`contexts`), on this module's device."""
+        return self.contexts.collate(
+            rollouts.row_messages(), [r.response_ids for r in rollouts.rollouts],
+            step=self.step_cfg, prompt_ids=[r.prompt_ids for r in rollouts.rollouts],
         ).to(self.device)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

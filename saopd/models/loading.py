@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from saopd.models.tokenizers import _atomic_build, saopd_cache_root
+from saopd.io import build_folder_once
+from saopd.models.tokenizers import saopd_cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -117,20 +118,20 @@ def _hub_offline() -> bool:
 
 
 @dataclass(frozen=True)
-class _Source:
+class ModelSource:
     location: str  # local folder or hub id, as given to from_pretrained
     is_local: bool
     gguf_file: str | None
 
 
-def _resolve_source(
+def resolve_source(
     name_or_path: str | os.PathLike, gguf_file: str | None, *, kind: str
-) -> _Source:
+) -> ModelSource:
     name = os.fspath(name_or_path)
     if not name:
         raise ValueError(f"{kind} name_or_path is empty")
     if name.lower() == _SMOLLM2_ALIAS:
-        return _Source(str(smollm2_135m_instruct()), True, gguf_file)
+        return ModelSource(str(smollm2_135m_instruct()), True, gguf_file)
     path = Path(name).expanduser()
     if path.exists():
         if path.is_file():
@@ -140,7 +141,7 @@ def _resolve_source(
                 )
             if gguf_file is not None and gguf_file != path.name:
                 raise ValueError(f"gguf_file={gguf_file!r} contradicts the .gguf path {name!r}")
-            return _Source(str(path.parent), True, path.name)
+            return ModelSource(str(path.parent), True, path.name)
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
                 raise FileNotFoundError(f"gguf_file {gguf_file!r} not found in {str(path)!r}")
@@ -149,9 +150,9 @@ def _resolve_source(
                 f"model folder {str(path)!r} has no config.json "
                 "(for a GGUF file pass gguf_file=...)"
             )
-        return _Source(str(path), True, gguf_file)
+        return ModelSource(str(path), True, gguf_file)
     if _HUB_ID.match(name) and ".." not in name:
-        return _Source(name, False, gguf_file)
+        return ModelSource(name, False, gguf_file)
     hint = (
         " If you meant a hub model, give its full id 'org/name'."
         if "/" not in name and "\\" not in name
@@ -196,8 +197,8 @@ _NETWORK_HINTS = (
 )
 
 
-def _from_pretrained(
-    loader, source: _Source, probe_files: Sequence[str], revision: str | None, **kwargs: Any
+def from_pretrained(
+    loader, source: ModelSource, probe_files: Sequence[str], revision: str | None, **kwargs: Any
 ):
     """``loader.from_pretrained``, turning hub connectivity failures into HubUnavailableError."""
     if not source.is_local:
@@ -236,8 +237,8 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    source = _resolve_source(name_or_path, gguf_file, kind="model")
-    model = _from_pretrained(
+    source = resolve_source(name_or_path, gguf_file, kind="model")
+    model = from_pretrained(
         AutoModelForCausalLM,
         source,
         ("config.json",),
@@ -258,8 +259,8 @@ def load_tokenizer(
     """Load a tokenizer (fast when available) from the same sources as :func:`load_causal_lm`."""
     from transformers import AutoTokenizer
 
-    source = _resolve_source(name_or_path, gguf_file, kind="tokenizer")
-    return _from_pretrained(
+    source = resolve_source(name_or_path, gguf_file, kind="tokenizer")
+    return from_pretrained(
         AutoTokenizer,
         source,
         ("tokenizer_config.json", "tokenizer.json", "config.json"),
@@ -322,7 +323,7 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None) -> Path:
     if _checked_folder(str(folder)):
         return folder
     if not folder.exists():
-        _atomic_build(folder, _convert_smollm2)
+        build_folder_once(folder, _convert_smollm2)
     if not (folder / _CONVERSION_RECORD).is_file():
         raise FileExistsError(
             f"{str(folder)!r} exists but is not a converted SmolLM2 folder "

@@ -17,10 +17,10 @@ import base64
 import functools
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
+
+from saopd.io import build_folder_once
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -293,30 +293,5 @@ def qwen_tokenizer(
         else saopd_cache_root() / "tokenizers" / f"{flavor}-v{_FORMAT_VERSION}"
     )
     if not (folder / "tokenizer.json").is_file():
-        _atomic_build(folder, lambda d: _build_qwen_tokenizer(flavor).save_pretrained(d))
+        build_folder_once(folder, lambda d: _build_qwen_tokenizer(flavor).save_pretrained(d))
     return _load_qwen_cached(str(folder.resolve()))
-
-
-def _atomic_build(folder: Path, write) -> None:
-    """Run ``write(tmp_dir)`` and rename ``tmp_dir`` to ``folder``; a concurrent winner is kept.
-
-    A file lock next to ``folder`` stops two processes from doing the (slow) work twice.
-    """
-    from filelock import FileLock
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock"):
-        if folder.exists():
-            return
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-        try:
-            write(tmp)
-            os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-            try:
-                os.rename(tmp, folder)
-            except OSError:
-                if not folder.exists():
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)

@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saopd.models.loading import _from_pretrained, _resolve_source, resolve_dtype
+from saopd.config.model import TINY_VLM_KINDS
+from saopd.models.loading import from_pretrained, resolve_dtype, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "QWEN_VL_CHAT_TEMPLATE",
-    "TINY_VLM_KINDS",
     "VISION_SPECIAL_TOKENS",
     "VLM_FAMILIES",
     "ProcessorReport",
@@ -80,7 +80,6 @@ VIDEO_PROCESSORS: dict[str, str] = {
     "qwen3_5_moe": "Qwen3VLVideoProcessor",
 }
 #: Tiny random-init families that :func:`tiny_vlm` builds offline.
-TINY_VLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 #: Qwen's vision special tokens (the tiny tokenizer gets them appended; Qwen's has them).
 VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -215,8 +214,8 @@ def load_vlm_processor(
 
     from saopd.models.loading import load_tokenizer
 
-    source = _resolve_source(name_or_path, None, kind="model")
-    config = _from_pretrained(AutoConfig, source, ("config.json",), revision,
+    source = resolve_source(name_or_path, None, kind="model")
+    config = from_pretrained(AutoConfig, source, ("config.json",), revision,
                               trust_remote_code=trust_remote_code)
     family = VLM_FAMILIES.get(config.model_type)
     if family is None:
@@ -226,7 +225,7 @@ def load_vlm_processor(
         )
     tokenizer = load_tokenizer(name_or_path, trust_remote_code=trust_remote_code,
                                revision=revision)
-    image_processor = _from_pretrained(
+    image_processor = from_pretrained(
         Qwen2VLImageProcessorPil, source, ("preprocessor_config.json",), revision,
         **_pixel_kwargs(min_pixels, max_pixels),
     )
@@ -256,8 +255,8 @@ def load_vlm(
     """A Qwen-VL model (eval mode) via ``AutoModelForImageTextToText`` from a folder or hub id."""
     from transformers import AutoModelForImageTextToText
 
-    source = _resolve_source(name_or_path, None, kind="model")
-    model = _from_pretrained(AutoModelForImageTextToText, source, ("config.json",), revision,
+    source = resolve_source(name_or_path, None, kind="model")
+    model = from_pretrained(AutoModelForImageTextToText, source, ("config.json",), revision,
                              dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
     family = getattr(model.config, "model_type", None)
     if family not in VLM_FAMILIES:
@@ -276,7 +275,7 @@ def save_processor_for_vllm(processor: Any, folder: str | os.PathLike, model_typ
     class and a ``video_processor`` entry whose patch, temporal patch and merge sizes, pixel
     limits and normalisation are the image processor's (videos are never sent: the engine sets
     vLLM's video limit to 0). vLLM then expands each ``<|image_pad|>`` to the same number of
-    tokens as :func:`saopd.data.vision.encode_prompt` (the engine checks this on every prompt).
+    tokens as :func:`saopd.prompts.vision.encode_prompt` (the engine checks this on every prompt).
 
     Raises ``ValueError`` for a model type outside :data:`VLM_FAMILIES`.
     """

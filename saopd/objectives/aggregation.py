@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from saopd._checks import check_choice, check_same_shape
-
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum")
+from saopd.choices import AGGREGATIONS
+from saopd.validation import check_choice, check_same_shape
 
 
 def aggregate(

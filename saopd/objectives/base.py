@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from saopd._registry import Registry
 from saopd.filters.base import FilterResult
+from saopd.registry import Registry
 from saopd.signals.token_signals import TokenSignals
 
 

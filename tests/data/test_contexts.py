@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from saopd.data.contexts import (
-    RESIDUAL_MODES,
+from saopd.choices import RESIDUAL_MODES
+from saopd.contexts.text import (
     Contexts,
     build_contexts,
     collate_contexts,
@@ -272,7 +272,7 @@ def test_truncation(tiny_tok):
     long_row = lengths.index(max(lengths))
     with pytest.raises(ValueError, match=rf"row {long_row}: the full context has {max(lengths)}"):
         collate_contexts(tiny_tok, msgs, responses, max_length=max_length)
-    batch = collate_contexts(tiny_tok, msgs, responses, max_length=max_length, truncation="left")
+    batch = collate_contexts(tiny_tok, msgs, responses, max_length=max_length, truncation="truncate")
     assert long_row in batch.truncated_rows and batch.num_truncated == len(batch.truncated_rows)
     assert batch.full.input_ids.shape[1] <= max_length
     cb, ctx = batch.full, contexts[long_row]
@@ -288,7 +288,7 @@ def test_truncation(tiny_tok):
 
     longest_response = max(len(c.response_ids) for c in contexts)
     with pytest.raises(ValueError, match="responses are never truncated"):
-        collate_contexts(tiny_tok, msgs, responses, max_length=longest_response, truncation="left")
+        collate_contexts(tiny_tok, msgs, responses, max_length=longest_response, truncation="truncate")
 
 
 def test_errors(tiny_tok):

@@ -1,4 +1,4 @@
-"""DVC data preparation (saopd.data.prepare): vendored benchmarks, the normalised eval files,
+"""DVC data preparation (saopd.stages.prepare): vendored benchmarks, the normalised eval files,
 input checks, bad-row handling, atomic writes, the DeepMath path with a fake ``datasets`` and a
 real ``dvc repro`` in a temporary copy of the repository."""
 
@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from saopd.data import prepare as prep
-from saopd.data.prepare import (
+import saopd.io
+from saopd.io import encode_json_line
+from saopd.stages.prepare import (
     BENCHMARKS,
     DEEPMATH_COLUMNS,
     DEFAULT_INSTRUCTION,
@@ -107,13 +108,13 @@ def test_vendored_files_match_params_provenance_and_licences() -> None:
 def test_dvc_yaml_matches_params() -> None:
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     ev, cfg = stages["prepare_eval"], PARAMS["prepare_eval"]
-    assert {c["path"] for c in cfg["benchmarks"].values()} | {"saopd/data/prepare.py"} == set(
+    assert {c["path"] for c in cfg["benchmarks"].values()} | {"saopd/stages/prepare.py"} == set(
         ev["deps"])
     assert set(ev["outs"]) == {f"{cfg['out_dir']}/{n}.jsonl" for n in cfg["benchmarks"]} | {
         f"{cfg['out_dir']}/report.json"}
     assert ev["params"] == ["prepare_eval"]
     tr = stages["prepare_train"]
-    assert "saopd/data/prepare.py" in tr["deps"] and tr["params"] == ["prepare_train"]
+    assert "saopd/stages/prepare.py" in tr["deps"] and tr["params"] == ["prepare_train"]
     assert "${prepare_train.out}" in tr["outs"]
     assert PARAMS["prepare_train"]["source"] in ("deepmath", "local")
 
@@ -334,7 +335,7 @@ def test_stage_failure_mid_write_keeps_old_outputs(
     out = tmp_path / "out"
     out.mkdir()
     (out / "aime25.jsonl").write_text("old\n")
-    encode = prep._encode
+    encode = encode_json_line
     calls = {"aime25": 0}
 
     def failing_encode(record: dict[str, Any]) -> str:
@@ -344,7 +345,7 @@ def test_stage_failure_mid_write_keeps_old_outputs(
                 raise OSError("No space left on device")
         return encode(record)
 
-    monkeypatch.setattr(prep, "_encode", failing_encode)
+    monkeypatch.setattr(saopd.io, "encode_json_line", failing_encode)
     with pytest.raises(OSError, match="No space left"):
         prepare_eval(_eval_params(out), REPO)
     assert (out / "aime25.jsonl").read_text() == "old\n"

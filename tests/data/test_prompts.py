@@ -15,10 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from saopd.data.contexts import render_prompt_ids
-from saopd.data.prompts import (
+from saopd.config.data import GSM8K_INSTRUCTION
+from saopd.models import tiny_tokenizer
+from saopd.prompts.render import render_prompt_ids
+from saopd.prompts.text import (
     GSM8K_DIR,
-    GSM8K_INSTRUCTION,
     PromptDataset,
     PromptRecord,
     PromptSampler,
@@ -29,7 +30,6 @@ from saopd.data.prompts import (
     gsm8k_records,
     load_jsonl,
 )
-from saopd.models import tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "data" / "gsm8k"
@@ -358,13 +358,13 @@ def test_filter_long_prompts(tok) -> None:
     assert [r.id for r in kept] == ["p0", "p2", "p4"] and n_skipped == 2
     kept, n_skipped = filter_long_prompts(recs, tok, max(lens))
     assert kept == recs and n_skipped == 0
-    kept, n_skipped = filter_long_prompts(recs, tok, limit, mode="keep")
+    kept, n_skipped = filter_long_prompts(recs, tok, limit, mode="truncate")
     assert kept == recs and n_skipped == 0
     with pytest.raises(ValueError, match=r"2 of 5 prompts exceed max_prompt_length .*'p1'"):
         filter_long_prompts(recs, tok, limit, mode="error")
     filter_long_prompts(recs[:1], tok, limit, mode="error")  # nothing too long: no error
     with pytest.raises(ValueError, match="mode"):
-        filter_long_prompts(recs, tok, limit, mode="truncate")
+        filter_long_prompts(recs, tok, limit, mode="left")
     with pytest.raises(ValueError, match="max_prompt_length"):
         filter_long_prompts(recs, tok, 0)
 

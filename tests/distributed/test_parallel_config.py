@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from saopd.lightning.data import StepBatchSampler
-from saopd.lightning.sharding import decoder_layers
+from saopd.models.sharding import decoder_layers
 from saopd.train import UserError, _strategy, _world_size, to_train_config
 
 

@@ -20,22 +20,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from saopd.io import build_folder_once
 from saopd.models.loading import (
     SMOLLM2_CHAT_TEMPLATE,
     SMOLLM2_DEFAULT_SYSTEM,
     HubUnavailableError,
     _prune_indices,
-    _resolve_source,
     check_same_vocabulary,
     load_causal_lm,
     load_tokenizer,
     prune_layers,
     resolve_dtype,
+    resolve_source,
     smollm2_135m_instruct,
     smollm2_gguf_path,
 )
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
-from saopd.models.tokenizers import _atomic_build, qwen_tokenizer
+from saopd.models.tokenizers import qwen_tokenizer
 
 # ---------------------------------------------------------------------------------- SmolLM2
 
@@ -122,13 +123,13 @@ def test_atomic_build_leaves_nothing_on_failure_and_keeps_existing(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        _atomic_build(target, boom)
+        build_folder_once(target, boom)
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
 
-    _atomic_build(target, lambda d: (d / "ok").write_text("1"))
+    build_folder_once(target, lambda d: (d / "ok").write_text("1"))
     assert (target / "ok").read_text() == "1"
-    _atomic_build(target, boom)  # already there: not rebuilt, no error
+    build_folder_once(target, boom)  # already there: not rebuilt, no error
     assert (target / "ok").read_text() == "1"
 
 
@@ -181,16 +182,16 @@ def test_hub_connection_failure_gives_clear_error(monkeypatch):
 def test_source_resolution(tmp_path, smollm2_dir):
     gguf = tmp_path / "m.Q4.gguf"
     gguf.write_bytes(b"")
-    src = _resolve_source(gguf, None, kind="model")
+    src = resolve_source(gguf, None, kind="model")
     assert (src.location, src.is_local, src.gguf_file) == (str(tmp_path), True, "m.Q4.gguf")
     with pytest.raises(ValueError, match="contradicts"):
-        _resolve_source(gguf, "other.gguf", kind="model")
+        resolve_source(gguf, "other.gguf", kind="model")
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="is a file"):
-        _resolve_source(tmp_path / "weights.bin", None, kind="model")
-    hub = _resolve_source("Qwen/Qwen3-1.7B", None, kind="model")
+        resolve_source(tmp_path / "weights.bin", None, kind="model")
+    hub = resolve_source("Qwen/Qwen3-1.7B", None, kind="model")
     assert (hub.location, hub.is_local) == ("Qwen/Qwen3-1.7B", False)
-    alias = _resolve_source("saopd:smollm2-135m-instruct", None, kind="tokenizer")
+    alias = resolve_source("saopd:smollm2-135m-instruct", None, kind="tokenizer")
     assert alias.location == str(smollm2_dir) and alias.is_local
 
 

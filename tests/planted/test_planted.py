@@ -1,4 +1,4 @@
-"""The planted-prior teacher (saopd.models.planted): what it adds, where, and that saopd's
+"""The planted-prior teacher (saopd.testbeds.planted): what it adds, where, and that saopd's
 chunked scoring sees exactly what a plain forward with the bias added gives."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from saopd.data.contexts import collate_contexts, gather_response_logprobs
-from saopd.models.factory import ModelConfig, build_model
-from saopd.models.planted import PlantedConfig, PlantedPriorLM, plant_priors, single_token_ids
+from saopd.config.model import ModelConfig, PlantedConfig
+from saopd.contexts.text import collate_contexts, gather_response_logprobs
+from saopd.models.factory import build_model
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
+from saopd.scoring.passes import ScoringNeeds, response_source, score_frozen, score_student
 from saopd.signals import LMHead, score_tokens
-from saopd.training.scoring import ScoringNeeds, response_source, score_frozen, score_student
+from saopd.testbeds.planted import PlantedPriorLM, plant_priors, single_token_ids
 
 SPURIOUS = [" so", " therefore", " step", " first", " finally"]
 PROMPTS = ["Alice has 3 apples and buys 2 more books.", "Bob sells 7 marbles to Maria."]

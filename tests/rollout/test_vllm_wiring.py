@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from conftest import compose_train
 
 from saopd.config import to_train_config
-from saopd.rollout.factory import build_engine, num_training_processes
+from saopd.rollout.registry import build_engine, num_training_processes
 from saopd.rollout.vllm import canonical_weight_name, iter_full_tensor_buckets
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -105,11 +105,11 @@ def test_vllm_config_group_and_importance_ratio_default(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ("rollout.engine=sglang", r"rollout.engine must be one of \['hf', 'vllm'\]"),
-    ("rollout.sleep_level=3", r"rollout.sleep_level must be 1 or 2, got 3"),
-    ("rollout.gpu_memory_utilization=0", r"rollout.gpu_memory_utilization must be in \(0, 1\]"),
-    ("rollout.gpu_memory_utilization=1.5", r"rollout.gpu_memory_utilization must be in \[0, 1\]"),
-    ("rollout.kv_cache_gb=-1", r"rollout.kv_cache_gb must be > 0"),
+    ("rollout.engine=sglang", r"rollout.engine is 'vllm' in conf/rollout/vllm.yaml, got 'sglang': .*rollout=<engine>"),
+    ("rollout.sleep_level=3", r"rollout.sleep_level must be one of \[1, 2\], got 3"),
+    ("rollout.gpu_memory_utilization=0", r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\]"),
+    ("rollout.gpu_memory_utilization=1.5", r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\], got 1.5"),
+    ("rollout.kv_cache_gb=-1", r"rollout.kv_cache_gb must be null or a number > 0.0"),
     ("rollout.weight_bucket_mb=0", r"rollout.weight_bucket_mb must be an int >= 1, got 0"),
     ("rollout.tensor_parallel_size=0", r"rollout.tensor_parallel_size must be an int >= 1"),
     ("rollout.sync_transport=nccl", r"rollout.sync_transport must be one of"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from saopd.filters.sa_opd import spurious_token_mask
-from saopd.training.residual_plan import candidate_mask, certify_selection, residual_stops
+from saopd.scoring.residual_plan import candidate_mask, certify_selection, residual_stops
 
 
 def random_batch(seed: int, b: int = 6, r: int = 40):

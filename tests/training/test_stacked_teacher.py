@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saopd.data.contexts import collate_contexts
-from saopd.models.planted import PlantedConfig, plant_priors
+from saopd.config.model import PlantedConfig
+from saopd.contexts.text import collate_contexts
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
-from saopd.training.scoring import ScoringNeeds, score_frozen, score_student, stack_contexts
+from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student, stack_contexts
+from saopd.testbeds.planted import plant_priors
 
 PROMPTS = ["Alice has 3 apples and buys 2 more books.", "Bob sells 7 marbles to Maria.",
            "The farmer keeps 12 stones."]
@@ -63,7 +64,7 @@ def test_falls_back_when_padding_would_be_large(setup, monkeypatch):
     tok, teacher, student, messages, responses = setup
     batch = collate_contexts(tok, messages, responses)
     calls = []
-    import saopd.training.scoring as scoring
+    import saopd.scoring.passes as scoring
 
     real = scoring.stack_contexts
     monkeypatch.setattr(scoring, "stack_contexts", lambda *a: calls.append(1) or real(*a))

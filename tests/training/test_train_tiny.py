@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 
-import saopd.training.scoring as scoring
+import saopd.scoring.passes as scoring
 from saopd.train import train
 
 REQUIRED_METRICS = ("train/loss", "train/flmr", "train/filtered_ratio", "train/alpha",
@@ -170,7 +170,7 @@ def test_left_truncated_prompts_are_scored_as_sampled(make_cfg) -> None:
     # prompts longer than 40 tokens are cut from the left by the engine and counted; scoring
     # uses the very ids the engine sampled from (Rollout.prompt_ids)
     seen: list = []
-    import saopd.lightning.module as module
+    import saopd.contexts.text as module
 
     original = module.collate_contexts
 
@@ -192,10 +192,10 @@ def test_left_truncated_prompts_are_scored_as_sampled(make_cfg) -> None:
 def test_chat_template_kwargs_reach_text_rollouts_and_contexts(make_cfg) -> None:
     # data.chat_template_kwargs (enable_thinking: false, the non-thinking mode of Qwen3's
     # template) shape the sampled prompt and both contexts of a text model, not only a VLM's
-    from saopd.data.contexts import render_prompt_ids
+    from saopd.prompts.render import render_prompt_ids
 
     seen: list = []
-    import saopd.lightning.module as module
+    import saopd.contexts.text as module
 
     original = module.collate_contexts
 
@@ -222,7 +222,7 @@ def test_chat_template_kwargs_reach_text_rollouts_and_contexts(make_cfg) -> None
 def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: str) -> None:
     # an engine holding its own model copy (vLLM) must be freed even when the run fails:
     # sweeps run their jobs in one process
-    import saopd.rollout.factory as factory
+    import saopd.rollout.registry as factory
 
     built, real = [], factory.build_engine
 

@@ -185,18 +185,18 @@ def test_truncation_and_skip_counts_match_hf(engine, tok) -> None:
     limit = sorted(lengths)[1]  # the longest prompt(s) exceed it, the shortest fits
     longer = sum(n > limit for n in lengths)
     assert 0 < longer < len(CHATS)
-    for mode in ("left", "skip"):
+    for mode in ("truncate", "skip"):
         engine.max_prompt_length, engine.prompt_truncation = limit, mode
         try:
             ours = _greedy(engine, CHATS, max_new_tokens=6)
         finally:
-            engine.max_prompt_length, engine.prompt_truncation = None, "left"
+            engine.max_prompt_length, engine.prompt_truncation = None, "truncate"
         theirs = _hf_greedy(model, tok, CHATS, max_new_tokens=6, max_prompt_length=limit,
                             prompt_truncation=mode)
         assert (ours.num_truncated_prompts, ours.num_skipped_prompts) == (
             theirs.num_truncated_prompts, theirs.num_skipped_prompts)
         assert (ours.num_truncated_prompts, ours.num_skipped_prompts) == (
-            (longer, 0) if mode == "left" else (0, longer))
+            (longer, 0) if mode == "truncate" else (0, longer))
         assert all(len(r.prompt_ids) <= limit for r in ours.rollouts)
         _assert_same_as_hf(ours, theirs)
     engine.max_prompt_length, engine.prompt_truncation = limit, "error"
@@ -204,7 +204,7 @@ def test_truncation_and_skip_counts_match_hf(engine, tok) -> None:
         with pytest.raises(ValueError, match=r"tokens > max_prompt_length"):
             engine.generate(CHATS, SamplingParams(max_new_tokens=4))
     finally:
-        engine.max_prompt_length, engine.prompt_truncation = None, "left"
+        engine.max_prompt_length, engine.prompt_truncation = None, "truncate"
 
 
 def test_prompt_plus_response_beyond_max_model_len_is_refused(engine) -> None:

@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vlm"))
 from vlm_testing import chats, solid, teacher_forced
 
-from saopd.data.vision import encode_prompt
 from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.rollout.vllm import VLLMEngine
 
@@ -101,11 +101,11 @@ def test_truncation_cuts_text_never_images_like_hf(vlm) -> None:
     greedy = SamplingParams(max_new_tokens=4)
     eng.greedy = True
     try:
-        eng.max_prompt_length, eng.prompt_truncation = len(ids) - 2, "left"
+        eng.max_prompt_length, eng.prompt_truncation = len(ids) - 2, "truncate"
         assert first_image > 2
         ours = eng.generate([chat], greedy)
         hf = HFGenerateEngine(model, proc.tokenizer, processor=proc, greedy=True,
-                              max_prompt_length=len(ids) - 2, prompt_truncation="left")
+                              max_prompt_length=len(ids) - 2, prompt_truncation="truncate")
         theirs = hf.generate([chat], greedy)
         assert ours.num_truncated_prompts == theirs.num_truncated_prompts == 1
         assert ours.rollouts[0].prompt_ids == theirs.rollouts[0].prompt_ids == ids[2:]
@@ -114,7 +114,7 @@ def test_truncation_cuts_text_never_images_like_hf(vlm) -> None:
         with pytest.raises(ValueError, match=r"prompt 0 .*would cut into an image"):
             eng.generate([chat], greedy)
     finally:
-        eng.greedy, eng.max_prompt_length, eng.prompt_truncation = False, None, "left"
+        eng.greedy, eng.max_prompt_length, eng.prompt_truncation = False, None, "truncate"
 
 
 def test_too_many_images_are_refused_naming_the_prompt(vlm) -> None:

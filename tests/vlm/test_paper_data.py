@@ -1,4 +1,4 @@
-"""The paper's VLM data stages (saopd/data/paper_vlm.py) on tiny local fixtures in each dataset's
+"""The paper's VLM data stages (saopd/stages/paper_vlm.py) on tiny local fixtures in each dataset's
 row format: parquet with ``{"bytes", "path"}`` images (as ``datasets``/the hub write them) and
 JSONL with image files; conversion, the seeded 10% sample, bad rows, and grading of the output."""
 
@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from saopd.data import paper_vlm
-from saopd.data.prepare import PrepareError, main, seeded_sample
-from saopd.data.vision import read_vision_rows
 from saopd.eval.runner import _grade, load_benchmark
+from saopd.prompts.vision import read_vision_rows
+from saopd.stages import paper_vlm
+from saopd.stages.prepare import PrepareError, main, seeded_sample
 
 BOXED = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -240,7 +240,7 @@ def test_module_command_reports_stage_errors_without_a_traceback(tmp_path: Path)
 
     params = train_params(tmp_path, "prepare_vlm_reasoning", tmp_path / "missing.parquet")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    res = subprocess.run([sys.executable, "-m", "saopd.data.prepare", "prepare_vlm_reasoning",
+    res = subprocess.run([sys.executable, "-m", "saopd.stages.prepare", "prepare_vlm_reasoning",
                           "--params", str(tmp_path / "params.yaml")], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 1, res.stderr

@@ -8,17 +8,12 @@ import pytest
 import torch
 from vlm_testing import KINDS, chats, tiny_pair
 
-from saopd.data.contexts import collate_contexts
-from saopd.data.vision import (
-    VisionInputs,
-    collate_vision_contexts,
-    encode_prompt,
-    message_images,
-    vision_residual_messages,
-)
+from saopd.contexts.text import collate_contexts
+from saopd.contexts.vision import VisionInputs, collate_vision_contexts, vision_residual_messages
 from saopd.lightning.module import _slice_batch
+from saopd.prompts.vision import encode_prompt, message_images
+from saopd.scoring.passes import response_source
 from saopd.signals import LMHead
-from saopd.training.scoring import response_source
 
 RESPONSES = [[11, 12, 13], [14, 15, 16, 17, 18], [19]]
 
@@ -148,8 +143,8 @@ def test_truncation_never_cuts_an_image_and_prompt_ids_are_checked() -> None:
     msgs, resp = chats()[:1], RESPONSES[:1]
     n = len(encode_prompt(proc, msgs[0]).ids) + len(resp[0])
     with pytest.raises(ValueError, match=r"row 0: the full context .*cut into an image"):
-        collate_vision_contexts(proc, msgs, resp, max_length=n - 8, truncation="left")
-    cut = collate_vision_contexts(proc, msgs, resp, max_length=n - 2, truncation="left")
+        collate_vision_contexts(proc, msgs, resp, max_length=n - 8, truncation="truncate")
+    cut = collate_vision_contexts(proc, msgs, resp, max_length=n - 2, truncation="truncate")
     assert cut.truncated_rows == (0,) and cut.full.vision.num_images == 1  # text cut only
     drop_image = [t for t in encode_prompt(proc, msgs[0]).ids if t != proc.image_token_id]
     with pytest.raises(ValueError, match=r"row 0: the rollout's prompt has 0 image tokens"):
@@ -158,8 +153,8 @@ def test_truncation_never_cuts_an_image_and_prompt_ids_are_checked() -> None:
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_5"])
 def test_prompt_length_counts_image_tokens_without_decoding_pixels(kind: str) -> None:
-    from saopd.data.prompts import PromptRecord
-    from saopd.data.vision import filter_long_vision_prompts, prompt_length
+    from saopd.prompts.text import PromptRecord
+    from saopd.prompts.vision import filter_long_vision_prompts, prompt_length
 
     _, proc = tiny_pair(kind)
     lengths = [len(encode_prompt(proc, c).ids) for c in chats()]
@@ -175,7 +170,7 @@ def test_prompt_length_counts_image_tokens_without_decoding_pixels(kind: str) ->
 
 
 def test_unexpanded_prompt_text_for_vllm_has_one_placeholder_per_image() -> None:
-    from saopd.data.vision import render_prompt_text
+    from saopd.prompts.vision import render_prompt_text
 
     _, proc = tiny_pair("qwen2_vl")
     for chat in chats():

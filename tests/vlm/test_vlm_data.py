@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 from vlm_testing import synth_dir
 
-from saopd.data import prepare
-from saopd.data.synth_vqa import COLOURS, SynthError, synth_rows
-from saopd.data.vision import message_images, read_vision_rows, validate_messages, vision_records
+from saopd.prompts.vision import message_images, read_vision_rows, validate_messages, vision_records
+from saopd.stages import prepare
+from saopd.stages.synth_vqa import COLOURS, SynthError, synth_rows
 
 
 def _row(image: str = "img.png", **extra: Any) -> dict[str, Any]:

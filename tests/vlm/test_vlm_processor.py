@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from vlm_testing import tiny_pair
 
-from saopd.models.factory import ModelConfig, build_model, build_vlm
+from saopd.config.model import ModelConfig
+from saopd.models.factory import build_model, build_vlm
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.models.vlm import (
     QWEN_VL_CHAT_TEMPLATE,

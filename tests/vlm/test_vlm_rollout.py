@@ -8,8 +8,9 @@ import pytest
 import torch
 from vlm_testing import chats, teacher_forced, tiny_pair
 
-from saopd.data.contexts import render_prompt_ids
-from saopd.data.vision import collate_vision_contexts, encode_prompt
+from saopd.contexts.vision import collate_vision_contexts
+from saopd.prompts.render import render_prompt_ids
+from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
 
 
@@ -56,7 +57,7 @@ def test_truncation_never_cuts_an_image_and_bad_processors_are_refused() -> None
     model, proc = tiny_pair("qwen2_vl")
     n = len(encode_prompt(proc, chats()[0]).ids)
     engine = HFGenerateEngine(model, proc.tokenizer, processor=proc, max_prompt_length=n - 8,
-                              prompt_truncation="left")
+                              prompt_truncation="truncate")
     with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens .*would cut into an image"):
         engine.generate(chats()[:1], SamplingParams(max_new_tokens=2))
     skip = HFGenerateEngine(model, proc.tokenizer, processor=proc, max_prompt_length=n - 8,

@@ -15,8 +15,9 @@ from conftest import compose_train
 from vlm_testing import synth_dir
 
 from saopd.config import to_train_config
-from saopd.data.vision import VisionContexts
-from saopd.models.factory import ModelConfig, build_vlm
+from saopd.config.model import ModelConfig
+from saopd.contexts.vision import VisionContexts
+from saopd.models.factory import build_vlm
 from saopd.train import UserError, train
 
 
@@ -24,8 +25,8 @@ def _capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     seen: list[Any] = []
     original = VisionContexts.collate
 
-    def collate(self: VisionContexts, rollouts: Any, step: Any) -> Any:
-        batch = original(self, rollouts, step)
+    def collate(self: VisionContexts, *args: Any, **kwargs: Any) -> Any:
+        batch = original(self, *args, **kwargs)
         seen.append(batch)
         return batch
 

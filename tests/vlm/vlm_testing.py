@@ -13,8 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from PIL import Image
 
-from saopd.data.synth_vqa import prepare_vlm
 from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+from saopd.stages.synth_vqa import prepare_vlm
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
@@ -64,7 +64,7 @@ def teacher_forced(model: Any, proc: Any, batch: Any, rows: int | None = None
     (same pixel values, 3D positions computed by the model)."""
     import torch
 
-    from saopd.data.vision import collate_vision_contexts
+    from saopd.contexts.vision import collate_vision_contexts
 
     rollouts = batch.rollouts[:rows]
     ctx = collate_vision_contexts(proc, batch.row_messages()[:rows],

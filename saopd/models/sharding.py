@@ -74,7 +74,7 @@ def shard_model(model: nn.Module, mesh: Any, *, mixed_precision: str | None = No
             each forward and no activation checkpointing is applied.
 
     The root keeps its parameters (embeddings, final norm, LM head) gathered after its forward,
-    which the chunked LM-head scoring (:mod:`saopd.training.scoring`) relies on.
+    which the chunked LM-head scoring (:mod:`saopd.scoring.passes`) relies on.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

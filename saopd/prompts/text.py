@@ -33,16 +33,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from saopd.data.contexts import render_prompt_ids
-from saopd.data.jsonl import iter_jsonl_objects
+from saopd.choices import LONG_PROMPT_MODES
+from saopd.config.data import GSM8K_INSTRUCTION
+from saopd.io import iter_jsonl_objects
+from saopd.prompts.render import render_prompt_ids
+from saopd.validation import check_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "FILTER_MODES",
     "GSM8K_DIR",
-    "GSM8K_INSTRUCTION",
     "PromptDataset",
     "PromptRecord",
     "PromptSampler",
@@ -62,12 +63,10 @@ PathLike = str | os.PathLike[str]
 
 #: Suffix appended (after one space) to every GSM8K question; verl's ``gsm8k.py`` preprocessing
 #: uses the same wording. It asks for GSM8K's native ``#### <answer>`` format.
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 #: ``data/gsm8k`` of the repository checkout (vendored train/test JSONL, see its PROVENANCE.md).
 GSM8K_DIR = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 
-FILTER_MODES = ("skip", "error", "keep")
 
 
 # --------------------------------------------------------------------------------------- JSONL
@@ -389,14 +388,13 @@ def filter_long_prompts(
     """Drop prompts longer than ``max_prompt_length`` tokens.
 
     The length is that of the prompt as the rollout feeds it: the chat template rendered with the
-    generation prompt (:func:`saopd.data.contexts.render_prompt_ids`, ``chat_template_kwargs``
+    generation prompt (:func:`saopd.contexts.text.render_prompt_ids`, ``chat_template_kwargs``
     passed through). ``mode``: ``"skip"`` drops over-long records, ``"error"`` raises
-    ``ValueError`` naming the first over-long record and the count, ``"keep"`` returns all (and
-    logs a warning with the count). Returns ``(records, n_skipped)``; ``n_skipped`` is 0 unless
+    ``ValueError`` naming the first over-long record and the count, ``"truncate"`` keeps them all
+    (the engine and the contexts cut them later; a warning gives the count). Returns ``(records, n_skipped)``; ``n_skipped`` is 0 unless
     ``mode="skip"``.
     """
-    if mode not in FILTER_MODES:
-        raise ValueError(f"mode must be one of {list(FILTER_MODES)}, got {mode!r}")
+    check_choice("mode", mode, LONG_PROMPT_MODES)
     if (
         isinstance(max_prompt_length, bool)
         or not isinstance(max_prompt_length, int)

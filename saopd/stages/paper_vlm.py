@@ -1,6 +1,6 @@
 """DVC stages for the paper's vision-language data: training prompts and six benchmarks.
 
-Stages (``python -m saopd.data.prepare <stage> --params params.yaml``; see ``dvc.yaml``):
+Stages (``python -m saopd.stages.prepare <stage> --params params.yaml``; see ``dvc.yaml``):
 
 - ``prepare_vlm_understanding``: a seeded 10% of VERO-600K's Captioning & IF, Grounding and
   Counting & Search rows (Sarch et al. 2026) -> ``data/prepared/vlm_understanding/``;
@@ -10,11 +10,11 @@ Stages (``python -m saopd.data.prepare <stage> --params params.yaml``; see ``dvc
   -> ``data/prepared/vlm_eval/<name>.jsonl``, graded by ``saopd-eval`` (``metadata.format``).
 
 Every stage writes ``<out_dir>/<file>.jsonl`` (the vision prompt schema of
-:mod:`saopd.data.vision`: ``messages`` whose user turn holds ``{"type": "image", "image":
+:mod:`saopd.prompts.vision`: ``messages`` whose user turn holds ``{"type": "image", "image":
 "images/..."}`` parts, paths relative to the JSONL, and text parts; ``answer`` the gold answer;
 ``metadata``), the images as files under ``<out_dir>/images/`` and ``<out_dir>/report.json``
 (rows read, eligible, sampled, written, skipped with their reasons), into a temporary folder that
-is swapped in whole. Every written row is checked by :func:`saopd.data.vision.validate_messages`
+is swapped in whole. Every written row is checked by :func:`saopd.prompts.vision.validate_messages`
 (images opened with PIL).
 
 Sources (``source`` of a stage's params; a benchmark may set its own): ``none`` (the default in
@@ -29,10 +29,10 @@ relative to the JSONL. Image values may be ``{"bytes": ..., "path": ...}`` dicts
 ``datasets``/parquet store), raw bytes, PIL images, base64 strings or file paths.
 
 Sampling (training stages): rows are filtered (VERO-600K: category column in ``categories``),
-then :func:`saopd.data.prepare.seeded_sample` keeps ``round(fraction * n)`` of the ``n``
+then :func:`saopd.stages.prepare.seeded_sample` keeps ``round(fraction * n)`` of the ``n``
 eligible rows by the sha256 of ``"<seed>\\x1f<prompt text>\\x1f<answer>"``; only the kept rows'
 images are read. A kept row that turns out bad (no image, an unreadable image, a placeholder
-count that does not match the images) raises :class:`~saopd.data.prepare.PrepareError` naming
+count that does not match the images) raises :class:`~saopd.stages.prepare.PrepareError` naming
 the row (``file[row N]``, ``file:line`` or ``dataset[split][index]``) and the problem, or with
 ``skip_bad`` is counted in the report and not replaced.
 
@@ -90,22 +90,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from saopd.data.jsonl import iter_jsonl_objects
-from saopd.data.prepare import (
+from saopd.io import encode_json_line, iter_jsonl_objects, staged_folder, write_json_atomic
+from saopd.stages.prepare import (
     DEFAULT_INSTRUCTION,
     PrepareError,
     StageReport,
-    _answer_str,
-    _encode,
-    _flag,
-    _instruction,
-    _require,
-    _resolve,
-    _section,
-    _shown,
+    answer_str,
+    flag_param,
+    instruction_param,
+    param_section,
+    require_param,
+    resolve_path,
     seeded_sample,
-    staged_folder,
-    write_json_atomic,
+    shown_path,
 )
 
 __all__ = [
@@ -215,7 +212,7 @@ def local_table(path: Path, shown: str, report: StageReport, skip_bad: bool) -> 
         if not files:
             jsonl = sorted(path.rglob("*.jsonl"))
             if len(jsonl) == 1:
-                return _jsonl_table(jsonl[0], _shown(jsonl[0], path.parent), report, skip_bad)
+                return _jsonl_table(jsonl[0], shown_path(jsonl[0], path.parent), report, skip_bad)
             raise PrepareError(f"{shown}: no .parquet files (or one .jsonl file) in this folder")
     elif path.is_file() and path.suffix == ".parquet":
         files = [path]
@@ -356,9 +353,9 @@ def open_table(cfg: Mapping[str, Any], where: str, root: Path, report: StageRepo
         return table, {"source": "hub", **{k: hub.get(k) for k in
                                            ("dataset", "config", "split", "revision")}}
     if source == "local":
-        lcfg = _section(cfg, "local", where)
-        shown = _require(lcfg, "path", f"{where}.local")
-        path = _resolve(root, shown, f"{where}.local.path")
+        lcfg = param_section(cfg, "local", where)
+        shown = require_param(lcfg, "path", f"{where}.local")
+        path = resolve_path(root, shown, f"{where}.local.path")
         logger.info("%s: reading the local export %s", where, shown)
         return local_table(path, shown, report, skip_bad), {"source": "local", "path": shown}
     raise PrepareError(f"{where}.source must be 'hub' or 'local' here, got {source!r}")
@@ -492,14 +489,14 @@ def _chat_text(value: Any) -> tuple[str, list[str]]:
 
 
 def _gold(value: Any) -> str:
-    """A gold answer as text: strings stripped, numbers as :func:`_answer_str`, lists/dicts as
+    """A gold answer as text: strings stripped, numbers as :func:`answer_str`, lists/dicts as
     JSON (VERO-600K grounding answers are box lists)."""
     value = _maybe_json(value) if not isinstance(value, str) else value
     if isinstance(value, list | dict):
         if not value:
             raise ValueError("the answer is empty")
         return json.dumps(value, ensure_ascii=False)
-    return _answer_str(value)
+    return answer_str(value)
 
 
 def _with_instruction(text: str, instruction: str | None) -> str:
@@ -553,10 +550,10 @@ def prepare_vlm_train(params: Mapping[str, Any], root: Any = ".",
     if stage not in TRAIN_STAGES:
         raise PrepareError(f"unknown stage {stage!r}; training stages: {list(TRAIN_STAGES)}")
     name = TRAIN_STAGES[stage]
-    cfg = _section(params, stage, "params")
-    skip_bad = _flag(cfg, "skip_bad", stage)
-    instruction = _instruction(cfg, stage) if "instruction" in cfg else None
-    out_dir = _resolve(root, _require(cfg, "out_dir", stage), f"{stage}.out_dir")
+    cfg = param_section(params, stage, "params")
+    skip_bad = flag_param(cfg, "skip_bad", stage)
+    instruction = instruction_param(cfg, stage) if "instruction" in cfg else None
+    out_dir = resolve_path(root, require_param(cfg, "out_dir", stage), f"{stage}.out_dir")
     try:
         fraction, seed = float(cfg.get("fraction", 0.1)), int(cfg.get("seed", 0))
     except (TypeError, ValueError) as e:
@@ -601,7 +598,7 @@ def prepare_vlm_train(params: Mapping[str, Any], root: Any = ".",
             "stage": stage, **source, "columns": cols, "fraction": fraction, "seed": seed,
             "instruction": instruction, "skip_bad": skip_bad, "rows_eligible": len(eligible),
             "categories": per_category or None, "rows_sampled": len(keep), **report.as_dict(),
-            **written["train"], "output": _shown(out_dir / "train.jsonl", root),
+            **written["train"], "output": shown_path(out_dir / "train.jsonl", root),
         }
 
     result = _write_folder(out_dir, {"train": items}, report, skip_bad, table.base_dir,
@@ -618,7 +615,7 @@ Converter = Callable[[Mapping[str, Any], int, Mapping[str, str], "str | None"], 
 
 
 def _count_gold(value: Any) -> str:
-    text = _answer_str(value)
+    text = answer_str(value)
     try:
         number = float(text.replace(",", ""))
     except ValueError:
@@ -652,7 +649,7 @@ def _mathvista(row: Mapping[str, Any], index: int, cols: Mapping[str, str],
                instruction: str | None) -> list[Item]:
     query = _get(row, cols["query"]) or _get(row, cols["question"])
     text = _text(query, "query/question")
-    answer = _answer_str(_get(row, cols["answer"]))
+    answer = answer_str(_get(row, cols["answer"]))
     qtype, atype = _get(row, cols["question_type"]), _get(row, cols["answer_type"])
     choices = _image_list(_maybe_json(_get(row, cols["choices"])))
     meta: dict[str, Any] = {"index": index, "native_id": _get(row, cols["id"]),
@@ -679,7 +676,7 @@ def _mathvision(row: Mapping[str, Any], index: int, cols: Mapping[str, str],
                 instruction: str | None) -> list[Item]:
     text = _text(_get(row, cols["question"]), "question")
     options = [str(o) for o in _image_list(_maybe_json(_get(row, cols["options"]))) if str(o)]
-    answer = _answer_str(_get(row, cols["answer"]))
+    answer = answer_str(_get(row, cols["answer"]))
     meta: dict[str, Any] = {"index": index, "native_id": _get(row, cols["id"]),
                             "level": _get(row, cols.get("level", "")),
                             "subject": _get(row, cols.get("subject", ""))}
@@ -699,7 +696,7 @@ def _geo3k(row: Mapping[str, Any], index: int, cols: Mapping[str, str],
            instruction: str | None) -> list[Item]:
     text = _text(_get(row, cols["problem"]), "problem")
     return [Item(f"geo3k-{index}", _with_instruction(text, instruction),
-                 _image_list(_get(row, cols["images"])), _answer_str(_get(row, cols["answer"])),
+                 _image_list(_get(row, cols["images"])), answer_str(_get(row, cols["answer"])),
                  "geo3k", {"index": index})]
 
 
@@ -713,7 +710,7 @@ def _number(text: str) -> float | None:
 def _evochart(row: Mapping[str, Any], index: int, cols: Mapping[str, str],
               instruction: str | None) -> list[Item]:
     text = _text(_get(row, cols["question"]), "question")
-    answer = _answer_str(_get(row, cols["answer"]))
+    answer = answer_str(_get(row, cols["answer"]))
     meta: dict[str, Any] = {"index": index, "native_id": _get(row, cols.get("id", ""))}
     meta.update({"format": "numeric", "tolerance": 0.05} if _number(answer) is not None
                 else {"format": "text"})
@@ -767,10 +764,10 @@ def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, An
     """
     root = Path(root)
     where = "prepare_vlm_eval"
-    cfg = _section(params, where, "params")
-    skip_bad = _flag(cfg, "skip_bad", where)
-    out_dir = _resolve(root, _require(cfg, "out_dir", where), f"{where}.out_dir")
-    benchmarks = _section(cfg, "benchmarks", where)
+    cfg = param_section(params, where, "params")
+    skip_bad = flag_param(cfg, "skip_bad", where)
+    out_dir = resolve_path(root, require_param(cfg, "out_dir", where), f"{where}.out_dir")
+    benchmarks = param_section(cfg, "benchmarks", where)
     unknown = sorted(set(benchmarks) - set(BENCHMARK_CONVERTERS))
     if unknown:
         raise PrepareError(f"{where}: unknown benchmark(s) {unknown}; known: "
@@ -824,7 +821,7 @@ def prepare_vlm_eval(params: Mapping[str, Any], root: Any = ".") -> dict[str, An
         for name, info in reports.items():
             rep: StageReport = info["report"]
             out[name] = {**{k: v for k, v in info.items() if k != "report"}, **rep.as_dict(),
-                         **written[name], "output": _shown(out_dir / f"{name}.jsonl", root)}
+                         **written[name], "output": shown_path(out_dir / f"{name}.jsonl", root)}
             logger.info("%s: %s: %d rows in, %d written, %d skipped", where, name,
                         rep.rows_in, rep.rows_out, rep.skipped)
         return {"stage": where, "skip_bad": skip_bad, "benchmarks": out}
@@ -842,12 +839,12 @@ def _write_folder(out_dir: Path, groups: Mapping[str, list[tuple[str, Item]]],
                   make_report: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
                   ) -> dict[str, Any]:
     """Write ``<group>.jsonl`` and ``images/`` for every group into a temporary folder beside
-    ``out_dir``, check every row (:func:`saopd.data.vision.validate_messages`), write
+    ``out_dir``, check every row (:func:`saopd.prompts.vision.validate_messages`), write
     ``report.json`` (``make_report`` of the per-group sha256s and counts) and swap the folder
     in. Images go to ``images/<id>-<k>.<ext>`` (``images/<group>/`` when there are several
     groups). Bad rows go to the group's report (raise, or skip with ``skip_bad``). Returns the
     report."""
-    from saopd.data.vision import validate_messages
+    from saopd.prompts.vision import validate_messages
 
     results: dict[str, dict[str, Any]] = {}
     with staged_folder(out_dir) as tmp:
@@ -879,7 +876,7 @@ def _write_folder(out_dir: Path, groups: Mapping[str, list[tuple[str, Item]]],
                     images_sha.update((tmp / rel).read_bytes())
                 n_images += len(rels)
                 prompt = _PLACEHOLDER.sub("", item.text).strip()
-                lines.append(_encode({"id": item.id, "messages": messages, "prompt": prompt,
+                lines.append(encode_json_line({"id": item.id, "messages": messages, "prompt": prompt,
                                       "answer": item.answer, "source": item.source,
                                       "metadata": item.metadata}))
             text = "".join(lines).encode("utf-8")

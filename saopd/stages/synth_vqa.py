@@ -18,7 +18,7 @@ choice as in MathVista):
 Rows follow the prepared-data schema (``id``, ``messages``, ``prompt``, ``answer``, ``source``,
 ``metadata``) with one user turn ``[{"type": "image", "image": "images/<split>/<id>.png"},
 {"type": "text", "text": question + " " + answer instruction}]``; image paths are relative to the
-JSONL (:func:`saopd.data.vision.read_vision_rows` resolves them). ``metadata`` holds the
+JSONL (:func:`saopd.prompts.vision.read_vision_rows` resolves them). ``metadata`` holds the
 ``format``, ``task``, the ``choices`` / ``tolerance`` a grader needs, and the scene (shapes,
 bars) the answer was computed from.
 
@@ -252,7 +252,7 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
     sha256 of every JSONL and of the images) into a temporary folder, then swaps it in. Relative
     paths are taken from ``root``. Raises :class:`SynthError` for a bad parameter.
     """
-    from saopd.data.prepare import _encode, staged_folder  # shared by every stage
+    from saopd.io import encode_json_line, staged_folder  # shared by every stage
 
     where = "prepare_vlm"
     cfg = params.get(where)
@@ -283,7 +283,7 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
                 rel = row["messages"][0]["content"][0]["image"]
                 (tmp / rel).write_bytes(png)
                 images.update(png)
-            text = "".join(_encode(row) for row, _ in rows).encode("utf-8")
+            text = "".join(encode_json_line(row) for row, _ in rows).encode("utf-8")
             (tmp / f"{split}.jsonl").write_bytes(text)
             per_task: dict[str, int] = {}
             for row, _ in rows:

@@ -1,6 +1,6 @@
 """Data preparation stages of the DVC pipeline: evaluation benchmarks and the training prompts.
 
-Run as ``python -m saopd.data.prepare <stage> --params params.yaml`` (``dvc repro`` does this,
+Run as ``python -m saopd.stages.prepare <stage> --params params.yaml`` (``dvc repro`` does this,
 see ``dvc.yaml``). Relative paths in the params file are resolved against the params file's
 folder (the repository root for ``params.yaml``).
 
@@ -30,7 +30,7 @@ Both stages write one JSON object per line, in one schema::
 from ``source: deepmath`` (``zwhe99/DeepMath-103K`` through Hugging Face ``datasets``, imported
 only on that path; rows with ``difficulty >= min_difficulty`` and a seeded ``fraction`` of them)
 or ``source: local`` (a local JSONL, by default the vendored GSM8K train split read with
-:func:`saopd.data.prompts.gsm8k_records`). The source is always logged and written to the report.
+:func:`saopd.prompts.text.gsm8k_records`). The source is always logged and written to the report.
 
 Bad input (a line that is not valid UTF-8/JSON or not an object, a missing or invalid field)
 raises :class:`PrepareError` naming ``file:line``; with ``skip_bad: true`` the row is skipped
@@ -42,16 +42,12 @@ of its inputs were read and checked, so no half-written file ever appears.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import json
 import logging
 import math
 import os
 import re
-import shutil
 import sys
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +55,13 @@ from typing import Any
 
 import yaml
 
-from saopd.data.jsonl import iter_jsonl_objects
+from saopd.io import (
+    PathLike,
+    file_sha256,
+    iter_jsonl_objects,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 from saopd.latex import match_brace
 
 __all__ = [
@@ -86,13 +88,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PathLike = str | os.PathLike[str]
 
 #: Default instruction appended (after a newline) to every problem; ``params.yaml`` sets it too.
 DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
-#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.data.synth_vqa`;
-#: ``prepare_vlm_understanding``/``_reasoning``/``_eval``: :mod:`saopd.data.paper_vlm`).
+#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.stages.synth_vqa`;
+#: ``prepare_vlm_understanding``/``_reasoning``/``_eval``: :mod:`saopd.stages.paper_vlm`).
 STAGES = ("prepare_eval", "prepare_train", "prepare_vlm", "prepare_vlm_understanding",
           "prepare_vlm_reasoning", "prepare_vlm_eval")
 
@@ -166,7 +167,7 @@ def repair_aime25_problem(problem: str) -> tuple[str, dict[str, int]]:
     return repaired, {k: v for k, v in counts.items() if v}
 
 
-def _answer_str(value: Any) -> str:
+def answer_str(value: Any) -> str:
     """A gold answer as a string: str stripped, int as is, integral float as int (``27.0`` ->
     ``"27"``), other floats with ``repr``. Raises ``ValueError`` for anything else or empty."""
     if isinstance(value, bool):
@@ -213,13 +214,13 @@ Normaliser = Callable[[Mapping[str, Any], int, str | None], dict[str, Any]]
 def _math500(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
     meta = {k: row.get(k) for k in ("unique_id", "subject", "level", "solution")}
     return make_record(
-        f"math500-{index}", _problem(row), _answer_str(_field(row, "answer")), "math500",
+        f"math500-{index}", _problem(row), answer_str(_field(row, "answer")), "math500",
         instruction, meta,
     )
 
 
 def _aime24(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
-    answer = _answer_str(_field(row, "answer"))
+    answer = answer_str(_field(row, "answer"))
     meta = {
         "native_id": row.get("id"), "answer_int": _int_str(answer), "url": row.get("url"),
         "solution": row.get("solution"),
@@ -228,7 +229,7 @@ def _aime24(row: Mapping[str, Any], index: int, instruction: str | None) -> dict
 
 
 def _aime25(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[str, Any]:
-    answer = _answer_str(_field(row, "answer"))
+    answer = answer_str(_field(row, "answer"))
     problem, repairs = repair_aime25_problem(_problem(row))
     meta = {"native_id": row.get("id"), "answer_int": _int_str(answer), "repairs": repairs}
     return make_record(f"aime25-{index}", problem, answer, "aime25", instruction, meta)
@@ -238,7 +239,7 @@ def _amc23(row: Mapping[str, Any], index: int, instruction: str | None) -> dict[
     raw = _field(row, "answer")
     meta = {"native_id": row.get("id"), "answer_raw": raw, "url": row.get("url")}
     return make_record(
-        f"amc23-{index}", _problem(row), _answer_str(raw), "amc23", instruction, meta
+        f"amc23-{index}", _problem(row), answer_str(raw), "amc23", instruction, meta
     )
 
 
@@ -293,15 +294,6 @@ class StageReport:
         }
 
 
-def file_sha256(path: PathLike) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _count_rows(path: PathLike) -> int:
     """Non-blank lines of a JSONL file (the rows, good or bad)."""
     with open(path, "rb") as fh:
@@ -339,89 +331,9 @@ def iter_jsonl(
 
     A line that is not valid UTF-8 or JSON, or not a JSON object, raises
     ``PrepareError("<name>:<line>: ...")``, or is counted in ``report`` when ``skip_bad``
-    (the reader is :func:`saopd.data.jsonl.iter_jsonl_objects`).
+    (the reader is :func:`saopd.io.iter_jsonl_objects`).
     """
     return iter_jsonl_objects(path, lambda msg: report.bad(msg, skip_bad), name=name)
-
-
-# ------------------------------------------------------------------------------------ writing
-
-
-#: Line breaks for ``str.splitlines`` that ``json.dumps(ensure_ascii=False)`` leaves raw; they
-#: are escaped so that every reader sees exactly one record per line (GSM8K has U+2028).
-_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
-
-
-def _encode(record: Mapping[str, Any]) -> str:
-    """One JSON line: UTF-8 text as is, except the Unicode line breaks in :data:`_LINE_BREAKS`."""
-    text = json.dumps(record, ensure_ascii=False)
-    for raw, escaped in _LINE_BREAKS.items():
-        text = text.replace(raw, escaped)
-    return text + "\n"
-
-
-def _swap_folder(tmp: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by the complete folder ``tmp`` (two renames; the old one is removed)."""
-    old = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    try:
-        os.replace(tmp, out_dir)
-    except BaseException:
-        if old.exists() and not out_dir.exists():
-            os.replace(old, out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def staged_folder(out_dir: Path) -> Iterator[Path]:
-    """A new empty folder beside ``out_dir`` for a stage to write its whole output into: when the
-    block ends normally it replaces ``out_dir`` (:func:`_swap_folder`); when the block raises it
-    is removed and ``out_dir`` is left as it was, so a stage's output is never half-written."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _swap_folder(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _atomic_write(path: Path, chunks: Iterable[str]) -> str:
-    """Write ``chunks`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it onto
-    ``path``. On any error the temporary file is removed and ``path`` is left as it was. The file
-    gets the usual ``0o666 & ~umask`` permissions. Returns the sha256 of what was written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    h = hashlib.sha256()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            for chunk in chunks:
-                data = chunk.encode("utf-8")
-                h.update(data)
-                fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return h.hexdigest()
-
-
-def write_jsonl_atomic(path: PathLike, records: Iterable[Mapping[str, Any]]) -> str:
-    """Write ``records`` as JSON lines (UTF-8, not ASCII-escaped, but U+0085/U+2028/U+2029 are
-    escaped) atomically; see :func:`_atomic_write`. Returns the sha256 of the file."""
-    return _atomic_write(Path(path), (_encode(r) for r in records))
-
-
-def write_json_atomic(path: PathLike, obj: Any) -> str:
-    """Write ``obj`` as indented JSON atomically. Returns the sha256 of the file."""
-    return _atomic_write(Path(path), [json.dumps(obj, ensure_ascii=False, indent=2) + "\n"])
 
 
 # ------------------------------------------------------------------------------------- params
@@ -439,20 +351,20 @@ def load_params(path: PathLike) -> dict[str, Any]:
     return params
 
 
-def _section(params: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
+def param_section(params: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
     value = params.get(key)
     if not isinstance(value, dict):
         raise PrepareError(f"{where}: missing or invalid section {key!r} (expected a mapping)")
     return value
 
 
-def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+def require_param(cfg: Mapping[str, Any], key: str, where: str) -> Any:
     if key not in cfg:
         raise PrepareError(f"{where}: missing parameter {key!r}")
     return cfg[key]
 
 
-def _optional_int(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
+def optional_int_param(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
     value = cfg.get(key)
     if value is None:
         return None
@@ -461,7 +373,7 @@ def _optional_int(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
     return value
 
 
-def _flag(cfg: Mapping[str, Any], key: str, where: str) -> bool:
+def flag_param(cfg: Mapping[str, Any], key: str, where: str) -> bool:
     """A boolean parameter (default ``False``); a YAML string like ``"false"`` is an error."""
     value = cfg.get(key, False)
     if not isinstance(value, bool):
@@ -469,7 +381,7 @@ def _flag(cfg: Mapping[str, Any], key: str, where: str) -> bool:
     return value
 
 
-def _instruction(cfg: Mapping[str, Any], where: str) -> str | None:
+def instruction_param(cfg: Mapping[str, Any], where: str) -> str | None:
     """The ``instruction`` parameter: a string, or null/empty for the bare problem."""
     value = cfg.get("instruction", DEFAULT_INSTRUCTION)
     if value is not None and not isinstance(value, str):
@@ -477,7 +389,7 @@ def _instruction(cfg: Mapping[str, Any], where: str) -> str | None:
     return value
 
 
-def _resolve(root: Path, value: Any, where: str) -> Path:
+def resolve_path(root: Path, value: Any, where: str) -> Path:
     if not isinstance(value, str) or not value:
         raise PrepareError(f"{where}: expected a path string, got {value!r}")
     path = Path(value)
@@ -498,11 +410,11 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
     """
     root = Path(root)
     where = "prepare_eval"
-    cfg = _section(params, "prepare_eval", "params")
-    instruction = _instruction(cfg, where)
-    skip_bad = _flag(cfg, "skip_bad", where)
-    out_dir = _resolve(root, _require(cfg, "out_dir", where), f"{where}.out_dir")
-    benchmarks = _section(cfg, "benchmarks", where)
+    cfg = param_section(params, "prepare_eval", "params")
+    instruction = instruction_param(cfg, where)
+    skip_bad = flag_param(cfg, "skip_bad", where)
+    out_dir = resolve_path(root, require_param(cfg, "out_dir", where), f"{where}.out_dir")
+    benchmarks = param_section(cfg, "benchmarks", where)
     unknown = sorted(set(benchmarks) - set(BENCHMARKS))
     if unknown:
         raise PrepareError(f"{where}: unknown benchmark(s) {unknown}; known: {list(BENCHMARKS)}")
@@ -513,10 +425,10 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
         bwhere = f"{where}.benchmarks.{name}"
         if not isinstance(bcfg, dict):
             raise PrepareError(f"{bwhere}: expected a mapping with path, sha256 and rows")
-        shown = _require(bcfg, "path", bwhere)
-        path = _resolve(root, shown, f"{bwhere}.path")
+        shown = require_param(bcfg, "path", bwhere)
+        path = resolve_path(root, shown, f"{bwhere}.path")
         sha, n_rows = verify_input(
-            path, sha256=bcfg.get("sha256"), rows=_optional_int(bcfg, "rows", bwhere), name=shown
+            path, sha256=bcfg.get("sha256"), rows=optional_int_param(bcfg, "rows", bwhere), name=shown
         )
         report = StageReport(input=shown, rows_in=n_rows)
         records: list[dict[str, Any]] = []
@@ -541,7 +453,7 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
 
     for name, records in outputs.items():
         out = out_dir / f"{name}.jsonl"
-        reports[name]["output"] = _shown(out, root)
+        reports[name]["output"] = shown_path(out, root)
         reports[name]["output_sha256"] = write_jsonl_atomic(out, records)
         logger.info(
             "prepare_eval: %s: %d rows in, %d out, %d skipped -> %s", name,
@@ -555,7 +467,7 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
     return result
 
 
-def _shown(path: Path, root: Path) -> str:
+def shown_path(path: Path, root: Path) -> str:
     """``path`` relative to ``root`` when it lies below it (reports stay machine-independent)."""
     try:
         return path.resolve().relative_to(root.resolve()).as_posix()
@@ -622,7 +534,7 @@ def deepmath_records(
         at = f"{where}:{index + 1}" if line_numbers else f"{where}[{index}]"
         try:
             question = _problem(row, "question")
-            answer = _answer_str(_field(row, "final_answer"))
+            answer = answer_str(_field(row, "final_answer"))
             difficulty = _field(row, "difficulty")
             if isinstance(difficulty, bool) or not isinstance(difficulty, int | float):
                 raise ValueError(f"difficulty must be a number, got {difficulty!r}")
@@ -705,13 +617,13 @@ def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, 
     """
     root = Path(root)
     where = "prepare_train"
-    cfg = _section(params, "prepare_train", "params")
-    source = _require(cfg, "source", where)
+    cfg = param_section(params, "prepare_train", "params")
+    source = require_param(cfg, "source", where)
     if source not in ("deepmath", "local"):
         raise PrepareError(f"{where}.source must be 'deepmath' or 'local', got {source!r}")
-    instruction = _instruction(cfg, where)
-    skip_bad = _flag(cfg, "skip_bad", where)
-    out = _resolve(root, _require(cfg, "out", where), f"{where}.out")
+    instruction = instruction_param(cfg, where)
+    skip_bad = flag_param(cfg, "skip_bad", where)
+    out = resolve_path(root, require_param(cfg, "out", where), f"{where}.out")
     dm = cfg.get("deepmath") or {}
     extra: dict[str, Any] = {"source": source}
 
@@ -732,15 +644,15 @@ def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, 
         extra.update({"dataset": dataset, "split": split, "revision": revision, **args,
                       "rows_eligible": eligible})
     else:
-        lcfg = _section(cfg, "local", where)
-        shown = _require(lcfg, "path", f"{where}.local")
-        path = _resolve(root, shown, f"{where}.local.path")
+        lcfg = param_section(cfg, "local", where)
+        shown = require_param(lcfg, "path", f"{where}.local")
+        path = resolve_path(root, shown, f"{where}.local.path")
         fmt = lcfg.get("format", "gsm8k")
         if fmt not in ("gsm8k", "deepmath"):
             raise PrepareError(f"{where}.local.format must be 'gsm8k' or 'deepmath', got {fmt!r}")
         logger.info("prepare_train: source=local (%s, format %s)", shown, fmt)
         sha, n_rows = verify_input(
-            path, sha256=lcfg.get("sha256"), rows=_optional_int(lcfg, "rows", f"{where}.local"),
+            path, sha256=lcfg.get("sha256"), rows=optional_int_param(lcfg, "rows", f"{where}.local"),
             name=shown,
         )
         extra.update({"format": fmt, "input_sha256": sha})
@@ -760,7 +672,7 @@ def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, 
     sha_out = write_jsonl_atomic(out, records)
     result = {
         "stage": "prepare_train", **extra, "instruction": instruction, "skip_bad": skip_bad,
-        **report.as_dict(), "output": _shown(out, root), "output_sha256": sha_out,
+        **report.as_dict(), "output": shown_path(out, root), "output_sha256": sha_out,
     }
     write_json_atomic(out.parent / "report.json", result)
     logger.info("prepare_train: %d rows in, %d out, %d skipped -> %s",
@@ -771,10 +683,10 @@ def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, 
 def _gsm8k_local(
     path: Path, shown: str, instruction: str | None, skip_bad: bool, report: StageReport
 ) -> list[dict[str, Any]]:
-    """GSM8K JSONL -> records through :func:`saopd.data.prompts.gsm8k_records` (the bare
+    """GSM8K JSONL -> records through :func:`saopd.prompts.text.gsm8k_records` (the bare
     question as ``prompt``, the number after the last ``####`` as ``answer``, its id
     ``gsm8k-train-<line>``). Errors name ``<shown>:<line>``."""
-    from saopd.data.prompts import gsm8k_records  # imports torch: only this path needs it
+    from saopd.prompts.text import gsm8k_records  # imports torch: only this path needs it
 
     full = os.fspath(path)
     try:
@@ -797,39 +709,39 @@ def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, A
     if stage == "prepare_eval":
         return prepare_eval(params, root)
     if stage == "prepare_vlm":  # rendered images for vision-language OPD (needs Pillow)
-        from saopd.data.synth_vqa import SynthError, prepare_vlm
+        from saopd.stages.synth_vqa import SynthError, prepare_vlm
 
         try:
             return prepare_vlm(params, root)
         except SynthError as e:
             raise PrepareError(str(e)) from e
     if stage == "prepare_vlm_eval":  # the paper's VLM benchmarks (hub or a local export)
-        from saopd.data.paper_vlm import prepare_vlm_eval
+        from saopd.stages.paper_vlm import prepare_vlm_eval
 
         return prepare_vlm_eval(params, root)
     if stage.startswith("prepare_vlm_"):  # the paper's VLM training prompts
-        from saopd.data.paper_vlm import prepare_vlm_train
+        from saopd.stages.paper_vlm import prepare_vlm_train
 
         return prepare_vlm_train(params, root, stage)
     return prepare_train(params, root)
 
 
 def _canonical_error() -> type[Exception]:
-    """``saopd.data.prepare.PrepareError``: the class the stage modules raise. Under ``python -m
-    saopd.data.prepare`` this file runs as ``__main__``, whose ``PrepareError`` is another class."""
-    from saopd.data.prepare import PrepareError as canonical
+    """``saopd.stages.prepare.PrepareError``: the class the stage modules raise. Under ``python -m
+    saopd.stages.prepare`` this file runs as ``__main__``, whose ``PrepareError`` is another class."""
+    from saopd.stages.prepare import PrepareError as canonical
 
     return canonical
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m saopd.data.prepare <stage> --params FILE`` (a stage of
+    """Command line: ``python -m saopd.stages.prepare <stage> --params FILE`` (a stage of
     :data:`STAGES`).
 
     Exits 1 with a one-line ``error: ...`` on a :class:`PrepareError`.
     """
     parser = argparse.ArgumentParser(
-        prog="python -m saopd.data.prepare", description=__doc__.split("\n\n")[0]
+        prog="python -m saopd.stages.prepare", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("stage", choices=STAGES)
     parser.add_argument("--params", default="params.yaml",

@@ -34,46 +34,35 @@ from pad ids: SmolLM2's pad token is its EOS ``<|im_end|>``, which ends most res
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from saopd.choices import PADDING_SIDES, RESIDUAL_MODES, TRUNCATION_MODES
+from saopd.config.step import DEFAULT_NEUTRAL_PROMPT, StepConfig
+from saopd.prompts.render import Message, leading_system, render_prompt_ids
+from saopd.validation import check_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "DEFAULT_NEUTRAL_PROMPT",
-    "RESIDUAL_MODES",
-    "TRUNCATION_MODES",
     "ContextBatch",
     "Contexts",
     "PairedContextBatch",
+    "TextContexts",
     "build_contexts",
     "check_collate_args",
     "collate_contexts",
     "gather_response_logprobs",
     "pad_contexts",
-    "render_prompt_ids",
     "residual_messages",
     "residual_start_token_id",
     "response_positions",
 ]
 
-RESIDUAL_MODES = ("empty_user", "response_only", "neutral_prompt")
-TRUNCATION_MODES = ("left", "error")
-PADDING_SIDES = ("right", "left")
-DEFAULT_NEUTRAL_PROMPT = "Please answer the question."
 IGNORE_INDEX = -100
-
-Message = Mapping[str, Any]
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-    return value
-
 
 def response_positions(start: int, length: int) -> list[int]:
     """Positions ``start - 1 + i`` (i < length) whose logits predict the response tokens.
@@ -116,41 +105,6 @@ class Contexts:
         return response_positions(self.residual_start, self.response_len)
 
 
-def render_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Message],
-    *,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Token ids of ``messages`` rendered by the tokenizer's chat template.
-
-    The template string is tokenized with ``add_special_tokens=False`` (templates write their own
-    BOS), as ``apply_chat_template(tokenize=True)`` does.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"{type(tokenizer).__name__} has no chat template; set tokenizer.chat_template "
-            "(contexts are rendered with it)"
-        )
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        **dict(chat_template_kwargs or {}),
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _leading_system(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        if m.get("role") != "system":
-            break
-        out.append(dict(m))
-    return out
-
-
 def residual_messages(
     messages: Sequence[Message],
     residual: str = "empty_user",
@@ -163,10 +117,10 @@ def residual_messages(
     ``empty_user``: ``[leading system turns if keep_system] + [{"role": "user", "content": ""}]``;
     ``neutral_prompt``: the same with ``neutral_prompt`` as the user content.
     """
-    _check_choice("residual", residual, RESIDUAL_MODES)
+    check_choice("residual", residual, RESIDUAL_MODES)
     if residual == "response_only":
         return None
-    system = _leading_system(messages) if keep_system else []
+    system = leading_system(messages) if keep_system else []
     content = "" if residual == "empty_user" else neutral_prompt
     return [*system, {"role": "user", "content": content}]
 
@@ -185,7 +139,7 @@ def residual_start_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     )
 
 
-def _as_id_list(response_ids: Any, row: int | None) -> list[int]:
+def as_id_list(response_ids: Any, row: int | None) -> list[int]:
     where = f" of row {row}" if row is not None else ""
     if isinstance(response_ids, torch.Tensor):
         if response_ids.dim() != 1 or response_ids.is_floating_point():
@@ -222,11 +176,11 @@ def _build(
     prefix_cache: dict[Any, list[int]] | None = None,
     prompt_ids: Sequence[int] | None = None,
 ) -> Contexts:
-    _check_choice("residual", residual, RESIDUAL_MODES)
+    check_choice("residual", residual, RESIDUAL_MODES)
     where = f" of row {row}" if row is not None else ""
     if not messages:
         raise ValueError(f"messages{where} is empty")
-    resp = _as_id_list(response_ids, row)
+    resp = as_id_list(response_ids, row)
     if prompt_ids is not None:  # the exact prompt the response was sampled from
         prompt = list(prompt_ids)
     else:
@@ -363,7 +317,7 @@ class PairedContextBatch:
         )
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase | None, pad_token_id: int | None) -> int:
+def resolve_pad_id(tokenizer: PreTrainedTokenizerBase | None, pad_token_id: int | None) -> int:
     if pad_token_id is not None:
         return int(pad_token_id)
     if tokenizer is not None:
@@ -382,7 +336,7 @@ def _truncate(
     if truncation == "error":
         raise ValueError(
             f"row {row}: the {which} context has {len(ids)} tokens (prompt {start} + response "
-            f"{resp_len}) > max_length {max_length}; pass truncation='left' to drop prompt tokens"
+            f"{resp_len}) > max_length {max_length}; pass truncation='truncate' to drop prompt tokens"
         )
     if resp_len + 1 > max_length:
         raise ValueError(
@@ -448,11 +402,11 @@ def pad_contexts(
     """Pad already built :class:`Contexts` into a :class:`PairedContextBatch`.
 
     ``max_length`` bounds each context's length (prompt + response). Longer ones raise
-    (``truncation="error"``) or lose prompt tokens from the left (``"left"``); the response is
+    (``truncation="error"``) or lose prompt tokens from the left (``"truncate"``); the response is
     never truncated, so a response of ``max_length`` tokens or more raises either way.
     """
-    _check_choice("truncation", truncation, TRUNCATION_MODES)
-    _check_choice("padding_side", padding_side, PADDING_SIDES)
+    check_choice("truncation", truncation, TRUNCATION_MODES)
+    check_choice("padding_side", padding_side, PADDING_SIDES)
     if not contexts:
         raise ValueError("contexts is empty: nothing to collate")
     if max_length is not None and (isinstance(max_length, bool) or max_length < 2):
@@ -503,8 +457,8 @@ def check_collate_args(messages: Sequence[Any], responses: Sequence[Any],
     """The argument checks every collate function shares (``ValueError`` naming the problem):
     known ``residual`` / ``truncation`` modes and one row of ``messages`` (and of ``prompt_ids``,
     when given) per response."""
-    _check_choice("residual", residual, RESIDUAL_MODES)
-    _check_choice("truncation", truncation, TRUNCATION_MODES)
+    check_choice("residual", residual, RESIDUAL_MODES)
+    check_choice("truncation", truncation, TRUNCATION_MODES)
     if len(messages) != len(responses):
         raise ValueError(f"messages has {len(messages)} rows but responses has {len(responses)}")
     if prompt_ids is not None and len(prompt_ids) != len(responses):
@@ -563,7 +517,7 @@ def collate_contexts(
     ]
     return pad_contexts(
         contexts,
-        pad_token_id=_pad_id(tokenizer, pad_token_id),
+        pad_token_id=resolve_pad_id(tokenizer, pad_token_id),
         max_length=max_length,
         truncation=truncation,
         padding_side=padding_side,
@@ -596,3 +550,33 @@ def gather_response_logprobs(
     if response_mask is not None:
         logp = logp.masked_fill(~response_mask.bool(), 0.0)
     return logp
+
+
+@dataclass
+class TextContexts:
+    """Builds a training step's contexts for a text teacher/student pair (the
+    :class:`~saopd.contexts.ContextBuilder` that :func:`~saopd.contexts.context_builder` picks
+    when there is no processor).
+
+    Attributes:
+        tokenizer: the shared tokenizer, with a chat template.
+        chat_template_kwargs: extra template variables, the same as the rollout engine's (e.g.
+            ``{"enable_thinking": False}``), so the contexts render the prompt that was sampled.
+    """
+
+    tokenizer: Any
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    processor = None  # text pairs have no processor (VisionContexts has one)
+
+    def collate(self, messages: Sequence[Sequence[Message]], response_ids: Sequence[Any], *,
+                step: StepConfig, prompt_ids: Sequence[Sequence[int] | None] | None = None
+                ) -> PairedContextBatch:
+        """Full and residual contexts of ``B`` rollouts (:func:`collate_contexts`); ``step``
+        gives the residual mode, ``keep_system``, the neutral prompt, ``max_length`` and the
+        truncation; ``prompt_ids`` are the exact prompts the responses were sampled from."""
+        return collate_contexts(
+            self.tokenizer, messages, response_ids, residual=step.residual,
+            keep_system=step.keep_system, neutral_prompt=step.neutral_prompt,
+            max_length=step.max_length, truncation=step.truncation, prompt_ids=prompt_ids,
+            chat_template_kwargs=self.chat_template_kwargs)

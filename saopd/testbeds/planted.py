@@ -23,7 +23,7 @@ by the role ids (``user``), up to the next ``turn_end`` token (``<|im_end|>``); 
 (``attention_mask == 0``) never matches. A row without a user turn gets no grounded bias.
 
 Scoring: saopd's chunked scoring reads backbone hidden states and the LM-head weight instead of
-calling ``forward`` (:func:`saopd.training.scoring.response_source`), so the wrapper provides
+calling ``forward`` (:func:`saopd.scoring.passes.response_source`), so the wrapper provides
 ``response_logit_source``, which that function defers to. It returns an
 :class:`~saopd.signals.LMHead` whose bias is ``b_head + s`` and whose hidden states and weight
 carry the per-row bias exactly, as B extra dimensions::
@@ -43,67 +43,27 @@ the frozen teacher only; it has no ``generate``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from saopd._checks import check_positive
+from saopd.config.model import PlantedConfig
+from saopd.models.factory import MODEL_WRAPPERS
+from saopd.scoring.passes import response_source
+from saopd.signals import LMHead, Logits, LogitSource
+from saopd.validation import check_positive
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from saopd.data.contexts import ContextBatch
-    from saopd.signals import LogitSource
+    from saopd.contexts.text import ContextBatch
 
 __all__ = [
-    "DEFAULT_SPURIOUS_TOKENS",
-    "PlantedConfig",
     "PlantedPriorLM",
     "plant_priors",
     "single_token_ids",
 ]
-
-#: Input-agnostic "reasoning template" tokens (each a single SmolLM2 token; with and without the
-#: leading space where both are common).
-DEFAULT_SPURIOUS_TOKENS: tuple[str, ...] = (
-    "So", " So", "Therefore", " Therefore", "Let", " Let", " step", "Step", " Step",
-    "First", " First", " Thus", "Now", " Now", "Finally", " Finally", " Hence",
-)
-
-
-@dataclass
-class PlantedConfig:
-    """The ``planted:`` block of a model config (``conf/model/*.yaml``): which biases to add.
-
-    Attributes:
-        spurious_tokens: strings whose single token gets ``spurious_bonus`` in every context
-            (each must encode to exactly one token, without special tokens).
-        spurious_bonus: logit bonus of the spurious, input-agnostic prior (nats; >= 0).
-        grounded_bonus: logit bonus on tokens of the row's user turn (nats; >= 0); 0 = off.
-        turn_start: the token opening a chat turn (ChatML ``<|im_start|>``).
-        user_role: the text after ``turn_start`` that marks a user turn.
-        turn_end: the token closing a turn (ChatML ``<|im_end|>``).
-    """
-
-    spurious_tokens: list[str] = field(default_factory=lambda: list(DEFAULT_SPURIOUS_TOKENS))
-    spurious_bonus: float = 4.0
-    grounded_bonus: float = 4.0
-    turn_start: str = "<|im_start|>"
-    user_role: str = "user"
-    turn_end: str = "<|im_end|>"
-
-    def __post_init__(self) -> None:
-        check_positive("spurious_bonus", self.spurious_bonus, owner="planted", allow_zero=True)
-        check_positive("grounded_bonus", self.grounded_bonus, owner="planted", allow_zero=True)
-        if not all(isinstance(t, str) and t for t in self.spurious_tokens):
-            raise ValueError(f"planted.spurious_tokens must be non-empty strings, got "
-                             f"{self.spurious_tokens!r}")
-        for name in ("turn_start", "user_role", "turn_end"):
-            if not getattr(self, name):
-                raise ValueError(f"planted.{name} must be a non-empty string")
-
 
 def single_token_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[int]:
     """The token id of each text; ``ValueError`` naming every text that is not one token."""
@@ -258,13 +218,11 @@ class PlantedPriorLM(nn.Module):
                               ) -> LogitSource:
         """The biased logits at the positions predicting each response token (scoring hook).
 
-        Same contract as :func:`saopd.training.scoring.response_source` (which calls this):
+        Same contract as :func:`saopd.scoring.passes.response_source` (which calls this):
         an :class:`~saopd.signals.LMHead` over ``[B, R, H + B]`` hidden states, exact for (*)
         (see the module docstring), or :class:`~saopd.signals.Logits` ``[B, R, V]`` with the
         biases added when the base model's head needs its full logits.
         """
-        from saopd.signals import LMHead, Logits
-        from saopd.training.scoring import response_source
 
         src = response_source(self.base, ctx, vocab_size=vocab_size)
         m, ends = self.prompt_tokens(ctx.input_ids, ctx.attention_mask)  # [B, V], [B]
@@ -284,6 +242,7 @@ class PlantedPriorLM(nn.Module):
         return LMHead(hidden, weight, bias)
 
 
+@MODEL_WRAPPERS.register("planted")
 def plant_priors(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
                  cfg: PlantedConfig) -> PlantedPriorLM:
     """Wrap ``model`` as :class:`PlantedPriorLM` with the token ids ``cfg`` names."""

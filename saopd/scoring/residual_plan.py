@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from saopd._checks import check_choice, check_fraction, check_same_shape
+from saopd.choices import EXTREMES
 from saopd.filters.ranks import ascending_ranks, compact_valid, count_for
-from saopd.filters.sa_opd import EXTREMES
+from saopd.validation import check_choice, check_fraction, check_same_shape
 
 __all__ = ["candidate_mask", "certify_selection", "residual_stops"]
 

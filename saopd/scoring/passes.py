@@ -22,12 +22,12 @@ or scaling) fall back to their full logits, gathered at the response positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from saopd.data.contexts import ContextBatch, PairedContextBatch
-from saopd.lightning.sharding import is_fsdp2
+from saopd.contexts.text import ContextBatch, PairedContextBatch
+from saopd.models.sharding import is_fsdp2
 from saopd.signals import LMHead, Logits, LogitSource, TokenSignals, score_tokens
 
 if TYPE_CHECKING:
@@ -91,6 +91,20 @@ def _sharded_hidden(model: nn.Module, backbone: nn.Module, ctx: ContextBatch) ->
     return captured[-1]
 
 
+@runtime_checkable
+class ResponseLogitSource(Protocol):
+    """A model that changes its logits in a way the backbone + head reading would miss (a
+    per-context bias, e.g. :class:`saopd.testbeds.planted.PlantedPriorLM`) implements this hook,
+    and :func:`response_source` calls it instead of reading backbone and head."""
+
+    def response_logit_source(self, ctx: ContextBatch, *, vocab_size: int | None = None
+                              ) -> LogitSource:
+        """The logits at the positions predicting each response token, with the same contract
+        as :func:`response_source`: :class:`LMHead` over ``[B, R, H']`` or :class:`Logits`
+        ``[B, R, V]``."""
+        ...
+
+
 def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | None = None
                     ) -> LogitSource:
     """The logits of ``model`` at the positions predicting each response token.
@@ -98,13 +112,10 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
     Returns an :class:`LMHead` over hidden states ``[B, R, H]`` (or gathered :class:`Logits`
     ``[B, R, V]`` for heads with extra transforms). ``vocab_size`` keeps only the first V rows of
     the head, for teacher/student pairs whose heads are padded to different sizes. A model that
-    changes its logits in a way the backbone + head reading would miss (a per-context bias, e.g.
-    :class:`saopd.models.planted.PlantedPriorLM`) provides ``response_logit_source(ctx,
-    vocab_size=...)`` with this contract, and it is used instead.
+    changes its logits otherwise implements :class:`ResponseLogitSource`, which is used instead.
     """
-    custom = getattr(model, "response_logit_source", None)
-    if callable(custom):
-        return custom(ctx, vocab_size=vocab_size)
+    if isinstance(model, ResponseLogitSource):
+        return model.response_logit_source(ctx, vocab_size=vocab_size)
     index = ctx.gather_index  # [B, R]
     if _plain_head(model):
         backbone = model.base_model if hasattr(model, "base_model") else model.model

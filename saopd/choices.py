@@ -1,0 +1,55 @@
+"""Allowed values of every enumerated setting, defined once.
+
+The torch-free config schema (:mod:`saopd.config`) checks values against these tuples at
+start-up, and the modules that implement each setting check their arguments against the same
+tuples, so the two can never disagree. Plain Python: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AGGREGATIONS",
+    "DATA_SOURCES",
+    "EXTREMES",
+    "LOGGERS",
+    "LONG_PROMPT_MODES",
+    "PADDING_SIDES",
+    "RESIDUAL_MODES",
+    "SCHEDULES",
+    "SYNC_TRANSPORTS",
+    "TRUNCATION_MODES",
+    "VISION_RESIDUAL_MODES",
+    "VLLM_DTYPES",
+]
+
+#: Loss reduction over kept tokens (``step.aggregation``; Eq. 19 is ``token-mean``).
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum")
+#: SA-OPD's extreme set on the full-context divergence (``filter.extreme``).
+EXTREMES = ("abs", "two_sided")
+#: The residual context's task-free prefix (``step.residual``).
+RESIDUAL_MODES = ("empty_user", "response_only", "neutral_prompt")
+#: What a VLM residual removes from the prompt (``data.residual_remove``).
+VISION_RESIDUAL_MODES = ("all", "image", "text")
+#: Padding side of a context batch.
+PADDING_SIDES = ("right", "left")
+#: Learning-rate schedule after warm-up (``optim.schedule``).
+SCHEDULES = ("constant", "linear", "cosine")
+#: Where the training prompts come from (``data.source``; :mod:`saopd.prompts.sources`).
+DATA_SOURCES = ("gsm8k", "prepared", "vision")
+#: Experiment tracking (``logger.kind``).
+LOGGERS = ("mlflow", "none")
+#: vLLM weight dtype (``rollout.dtype``).
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: How weights reach a vLLM engine (``rollout.sync_transport``).
+SYNC_TRANSPORTS = ("auto", "iterator", "files")
+
+# ---- the one "prompt too long" vocabulary ------------------------------------------------
+#: What happens to a prompt longer than its limit, everywhere a limit applies:
+#: ``skip`` (leave it out, counted), ``error`` (stop, naming it), ``truncate`` (cut the start of
+#: the prompt, keeping its end and the response; counted). ``data.long_prompts`` takes all
+#: three; each stage accepts the subset it can do (below).
+LONG_PROMPT_MODES = ("skip", "error", "truncate")
+#: Context building (``step.truncation``): a sampled response cannot be skipped any more.
+#: (Rollout engines and the prompt loader take all of :data:`LONG_PROMPT_MODES`; the loader
+#: keeps ``truncate`` prompts, which the engine and the contexts cut.)
+TRUNCATION_MODES = ("truncate", "error")

@@ -1,0 +1,141 @@
+"""Schema of the rollout engines (``conf/rollout/<engine>.yaml``): one dataclass per engine.
+
+:class:`RolloutConfig` holds what every engine shares (sampling); each engine's dataclass adds
+its own options and is registered as the schema of its YAML file (``rollout/<engine>_schema``
+in Hydra's config store), so a key of one engine given to another is refused by name. The engine
+classes (:mod:`saopd.rollout`) take their options from these dataclasses: the defaults live here
+only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saopd.choices import SYNC_TRANSPORTS, VLLM_DTYPES
+from saopd.validation import check_choice, check_fraction, check_int, check_number, check_positive
+
+__all__ = ["HFRolloutConfig", "RolloutConfig", "VLLMRolloutConfig"]
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling of the student's responses (one call per step), common to every engine.
+
+    Attributes:
+        engine: the engine's registry name (``saopd.rollout.ENGINES``); set by the engine's
+            YAML file (``rollout=hf`` | ``rollout=vllm``), not meant to be overridden alone.
+        n: responses per prompt.
+        temperature: sampling temperature (the paper gives only evaluation sampling; training
+            uses 1.0, the on-policy distribution the objective assumes).
+        top_p: nucleus sampling (1.0 = off).
+        max_new_tokens: response length limit.
+        greedy: argmax decoding instead of sampling (debugging, evaluation).
+        importance_ratio_cap: the default of the sampled objectives' ``importance_ratio_cap``
+            (``conf/objective/{sampled,exopd}.yaml`` read it): the truncated importance ratio
+            corrects a sampler/trainer mismatch; null when the sampler is the trained module.
+    """
+
+    engine: str = "hf"
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    greedy: bool = False
+    importance_ratio_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("n", self.n, owner="rollout")
+        check_int("max_new_tokens", self.max_new_tokens, owner="rollout")
+        check_positive("temperature", self.temperature, owner="rollout")
+        check_fraction("top_p", self.top_p, owner="rollout")
+        if self.importance_ratio_cap is not None:
+            check_positive("importance_ratio_cap", self.importance_ratio_cap, owner="rollout")
+
+
+def _check_engine(engine: str, own: str) -> None:
+    if engine != own:
+        raise ValueError(f"rollout.engine is {own!r} in conf/rollout/{own}.yaml, got {engine!r}: "
+                         "choose the engine with rollout=<engine> (the registered engines: "
+                         "saopd.rollout.ENGINES)")
+
+
+@dataclass
+class HFRolloutConfig(RolloutConfig):
+    """``rollout=hf``: transformers ``generate`` on the live student (CPU or GPU).
+
+    Attributes:
+        batch_size: prompts per ``generate`` call (null = all of the step's prompts).
+    """
+
+    engine: str = "hf"
+    batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_engine(self.engine, "hf")
+        check_int("batch_size", self.batch_size, owner="rollout", allow_none=True)
+
+
+@dataclass
+class VLLMRolloutConfig(RolloutConfig):
+    """``rollout=vllm``: :class:`saopd.rollout.vllm.VLLMEngine`, a vLLM copy of the student,
+    synced after every optimizer step (needs the ``vllm`` package: README).
+
+    Attributes:
+        importance_ratio_cap: 5.0: vLLM's sampler and the trainer disagree slightly (kernels,
+            precision), so the sampled objectives multiply by ``min(exp(lpS - lp_sampler), 5)``
+            (verl, G-OPD); ``objective.importance_ratio_cap=null`` turns it off.
+        dtype: ``auto`` (the student's) | ``float32`` | ``bfloat16`` | ``float16``.
+        max_model_len: prompt + response limit (null = the model's).
+        gpu_memory_utilization: memory fraction for weights + KV cache, in (0, 1] (on the CPU
+            backend: of the machine's RAM).
+        kv_cache_gb: KV-cache size in GiB instead of the fraction (null = use the fraction; set
+            it on CPU, e.g. 1).
+        enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
+        tensor_parallel_size: GPUs the engine shards the model over.
+        enable_sleep_mode: GPU only: free the engine's memory during the training step.
+        sleep_level: 1 offloads weights to CPU; 2 drops them (reported to return stale weights
+            after wake-up: keep ``verify_sync`` on).
+        weight_bucket_mb: size of the buckets a weight sync gathers (FSDP) and ships in, MiB.
+        sync_transport: ``auto`` | ``iterator`` (tensors through ``collective_rpc``, in-process
+            only) | ``files`` (safetensors shards in ``/dev/shm``).
+        in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        verify_sync: check that every sync landed (cheap sums of embeddings and norms, the
+            packed LM head).
+        model_dir: where the initial student is saved for vLLM (null = a temporary folder in
+            ``/dev/shm``, removed at exit).
+        max_images_per_prompt: vLLM's image limit per prompt for vision-language students
+            (``limit_mm_per_prompt``; memory is reserved for this many); a prompt with more
+            images is refused, naming it. Ignored for text models.
+    """
+
+    engine: str = "vllm"
+    importance_ratio_cap: float | None = 5.0
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_gb: float | None = None
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
+    sleep_level: int = 1
+    weight_bucket_mb: int = 512
+    sync_transport: str = "auto"
+    in_process: bool = True
+    verify_sync: bool = True
+    model_dir: str | None = None
+    max_images_per_prompt: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_engine(self.engine, "vllm")
+        check_choice("dtype", self.dtype, VLLM_DTYPES, owner="rollout")
+        check_int("max_model_len", self.max_model_len, owner="rollout", allow_none=True)
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0,
+                     owner="rollout")
+        check_number("kv_cache_gb", self.kv_cache_gb, low=0.0, owner="rollout", allow_none=True)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, owner="rollout")
+        check_choice("sleep_level", self.sleep_level, (1, 2), owner="rollout")
+        check_int("weight_bucket_mb", self.weight_bucket_mb, owner="rollout")
+        check_choice("sync_transport", self.sync_transport, SYNC_TRANSPORTS, owner="rollout")
+        check_int("max_images_per_prompt", self.max_images_per_prompt, owner="rollout")

@@ -1,0 +1,96 @@
+"""Schema of how a run executes and is recorded: ``trainer``, ``logger``, ``paths``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from saopd.choices import LOGGERS
+from saopd.validation import check_choice, check_int
+
+__all__ = ["LoggerConfig", "PathsConfig", "TrainerConfig"]
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning ``Trainer`` settings.
+
+    Attributes:
+        accelerator, devices, num_nodes, precision: as in Lightning
+            (``precision``: ``32-true`` on CPU, ``bf16-mixed`` on GPU).
+        strategy: ``auto`` (one process), ``ddp`` (data parallel, whole models on every rank)
+            or ``fsdp`` (FSDP2 via Lightning's ``ModelParallelStrategy``: student, teacher and
+            reference each sharded per decoder layer); any other Lightning strategy name is
+            passed through. Multi-node: ``num_nodes`` with torchrun or SLURM (README).
+        process_group_backend: ``nccl`` / ``gloo`` (None = Lightning's choice: nccl on GPU,
+            gloo on CPU).
+        activation_checkpointing: recompute the student's decoder layers in backward.
+        fsdp_mixed_precision: with ``strategy=fsdp``: ``bf16`` (compute in bfloat16, fp32 master
+            weights and gradient reduction) or null; use it with ``precision: 32-true``.
+        checkpoint_every_n_steps: save a checkpoint (and ``last.ckpt``) this often.
+        keep_all_checkpoints: keep every periodic checkpoint (default: only the latest one and
+            ``last.ckpt``; a student with AdamW state is ~3x its weights).
+        view_every_n_steps: write the filtered-token HTML view this often (0 = never).
+        progress_bar: show Lightning's progress bar.
+    """
+
+    accelerator: str = "cpu"
+    devices: Any = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    process_group_backend: str | None = None
+    activation_checkpointing: bool = False
+    fsdp_mixed_precision: str | None = None
+    checkpoint_every_n_steps: int = 10
+    keep_all_checkpoints: bool = False
+    view_every_n_steps: int = 10
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("checkpoint_every_n_steps", self.checkpoint_every_n_steps, owner="trainer")
+        check_int("num_nodes", self.num_nodes, owner="trainer")
+        check_choice("process_group_backend", self.process_group_backend,
+                     (None, "nccl", "gloo"), owner="trainer")
+        check_choice("fsdp_mixed_precision", self.fsdp_mixed_precision, (None, "bf16"),
+                     owner="trainer")
+        if self.fsdp_mixed_precision is not None and self.strategy != "fsdp":
+            raise ValueError("trainer.fsdp_mixed_precision applies to trainer.strategy=fsdp "
+                             f"only (strategy is {self.strategy!r}); use trainer.precision")
+        if not isinstance(self.view_every_n_steps, int) or self.view_every_n_steps < 0:
+            raise ValueError(
+                f"trainer.view_every_n_steps must be an int >= 0, got {self.view_every_n_steps!r}"
+            )
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment tracking.
+
+    Attributes:
+        kind: ``mlflow`` or ``none``.
+        tracking_uri: MLflow store; default ``sqlite:///<repo root>/mlflow.db``.
+        experiment_name: MLflow experiment (default: the run's ``experiment_name``).
+        run_name: MLflow run name (default: derived from experiment, filter and seed).
+        tags: extra MLflow tags (sweep, study, ...).
+    """
+
+    kind: str = "mlflow"
+    tracking_uri: str | None = None
+    experiment_name: str | None = None
+    run_name: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_choice("kind", self.kind, LOGGERS, owner="logger")
+
+
+@dataclass
+class PathsConfig:
+    """Where things go. ``root``: the repository (data and the MLflow store); ``output_dir``:
+    this run's folder (checkpoints, token views, the resolved config)."""
+
+    root: str = MISSING
+    output_dir: str = MISSING

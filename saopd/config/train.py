@@ -1,0 +1,98 @@
+"""Schema of ``saopd-train`` (``conf/train.yaml`` merges onto it) and its registration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from saopd.config.data import DataConfig
+from saopd.config.eval import EvalConfig, EvalDuringTrainingConfig
+from saopd.config.model import ModelConfig
+from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
+from saopd.config.step import OptimConfig, StepConfig
+from saopd.validation import check_int
+
+__all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config"]
+
+#: The schema of each rollout engine's YAML file, by engine name.
+ROLLOUT_SCHEMAS: dict[str, type[RolloutConfig]] = {"hf": HFRolloutConfig, "vllm": VLLMRolloutConfig}
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``saopd-train`` needs; see ``conf/train.yaml`` and ``conf/experiment/``.
+
+    Attributes:
+        experiment_name: names the MLflow experiment and the output folder.
+        study: the study (``experiments/<study>``) this run belongs to; tagged on its MLflow
+            run, with the sweep it ran in, so ``saopd-report --tag study=<name>`` finds it.
+        method: the method's table label (``conf/method/*.yaml``: OPD, ExOPD, TIP, FiRe-OPD,
+            SA-OPD), tagged ``method`` on the MLflow run; null = derived from filter/objective.
+        seed: seeds model init, prompt order, sampling and the random filter.
+        steps: optimizer steps (one rollout batch each).
+        prompts_per_step: prompts per step (x ``rollout.n`` responses).
+        resume: null (fresh run), ``auto`` (the latest ``last.ckpt`` of this experiment, if
+            any) or a checkpoint path; resuming continues the same MLflow run.
+        student, teacher: the two models (``conf/model/*.yaml`` via ``model@student`` /
+            ``model@teacher``; :class:`~saopd.config.model.ModelConfig`).
+        filter, objective: a registered variant's ``name`` and its hyperparameters
+            (``conf/filter``, ``conf/objective``), checked by the registries of
+            :mod:`saopd.filters` / :mod:`saopd.objectives`, which know each variant's fields.
+        rollout: the rollout engine's config, typed by the engine's own dataclass
+            (:mod:`saopd.config.rollout`; the YAML's defaults list picks it).
+        data, trainer, logger, optim, step, eval, paths: see their dataclasses.
+    """
+
+    student: ModelConfig = MISSING
+    teacher: ModelConfig = MISSING
+    filter: dict[str, Any] = MISSING
+    objective: dict[str, Any] = MISSING
+    rollout: Any = MISSING  # one of the RolloutConfig subclasses (conf/rollout/<engine>.yaml)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    step: StepConfig = field(default_factory=StepConfig)
+    eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment_name: str = "default"
+    study: str | None = None
+    method: str | None = None
+    seed: int = 0
+    steps: int = 10
+    prompts_per_step: int = 4
+    resume: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int("steps", self.steps)
+        check_int("prompts_per_step", self.prompts_per_step)
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ValueError("rollout must be one engine's config (conf/rollout/<engine>.yaml), "
+                             f"got {type(self.rollout).__name__}")
+        for group in ("filter", "objective"):
+            value = getattr(self, group)
+            if not isinstance(value, dict) or "name" not in value:
+                raise ValueError(f"{group} must be a mapping with a 'name' key, got {value!r}")
+
+
+def register_schema() -> None:
+    """Put every schema in Hydra's config store, where the YAML defaults lists name them:
+    ``train_schema`` (``conf/train.yaml``), ``eval_schema`` (``conf/eval.yaml``) and
+    ``<engine>_schema`` in the ``rollout`` group (``conf/rollout/<engine>.yaml``)."""
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(name="eval_schema", node=EvalConfig)
+    for name, node in ROLLOUT_SCHEMAS.items():
+        store.store(group="rollout", name=f"{name}_schema", node=node)
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Resolve interpolations and build (and so validate) the dataclasses."""
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, TrainConfig):
+        raise ValueError(f"config does not follow the train schema (got {type(obj).__name__})")
+    return obj
