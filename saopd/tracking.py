@@ -159,8 +159,9 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
         run_id: continue this existing run (resume): same run, new metrics appended. The run must
             exist and not be deleted; a finished/failed run is set back to RUNNING.
         tags: tags of a new run.
-        root: output root: holds ``mlflow.db`` by default and, for local SQLite stores, the
-            artifacts of experiments created here (``<root>/mlartifacts/<experiment>``).
+        root: the repository root: holds ``mlflow.db`` by default. The artifacts of experiments
+            created in a local SQLite store go beside its database file
+            (``<store folder>/mlartifacts/<experiment>``).
         skip_logged_steps: on resume, drop metric values at already-logged steps (see
             :class:`ResumableMLFlowLogger`).
     """
@@ -175,7 +176,9 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
     if db is not None:
         db.parent.mkdir(parents=True, exist_ok=True)
         safe = re.sub(r"[^\w.\-]+", "_", experiment_name).strip("._") or "experiment"
-        artifact_location = (Path(root).expanduser().resolve() / "mlartifacts" / safe).as_uri()
+        # beside the store, whatever the working directory (MLflow's own default for a SQLite
+        # store is ./mlartifacts of the current directory)
+        artifact_location = (db.expanduser().resolve().parent / "mlartifacts" / safe).as_uri()
     def build() -> ResumableMLFlowLogger:
         return ResumableMLFlowLogger(
             experiment_name=experiment_name, run_name=run_name, tracking_uri=uri,

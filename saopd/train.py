@@ -26,9 +26,10 @@ from omegaconf import DictConfig
 import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import TrainConfig, register_schema, to_train_config
 from saopd.contexts import context_builder
+from saopd.paths import conf_dir, register_resolvers
 
 log = logging.getLogger("saopd.train")
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(conf_dir())
 RUN_RECORD = "saopd_run.json"
 
 
@@ -364,6 +365,7 @@ def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
 
 
 register_schema()
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

@@ -69,7 +69,7 @@ sent, and checks that every module with a packed CPU GEMM that still holds its w
 head) computes ``x @ weight.T`` from that weight (``RuntimeError`` on a mismatch). This catches
 a sync that did not land (stale weights after a sleep/wake cycle, a silently skipped name, a
 stale packed head) for the price of one pass over a few small tensors; it does not re-check the
-other linear layers. The tests (``tests/vllm_engine/``) check the stronger
+other linear layers. The tests (``tests/integration/vllm/``) check the stronger
 property: after a sync, vLLM's greedy samples equal HF's on the same weights and sampled-token
 log-probs agree within 1e-4.
 

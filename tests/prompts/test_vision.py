@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from vlm_testing import synth_dir
 
 from saopd.prompts.vision import message_images, read_vision_rows, validate_messages, vision_records
 from saopd.stages import prepare
 from saopd.stages.synth_vqa import COLOURS, SynthError, synth_rows
+from tests.helpers.vlm import synth_dir
 
 
 def _row(image: str = "img.png", **extra: Any) -> dict[str, Any]:

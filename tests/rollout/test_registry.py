@@ -1,7 +1,7 @@
 """rollout=vllm wiring that needs no vLLM: the weight-bucket gatherer (plain tensors and 2-rank
 FSDP2-style DTensor shards over gloo), name canonicalisation, the config group and its range
 checks, the importance-ratio default per engine, the factory's refusals, and the clear error
-when vllm is not installed. The engine itself is tested on real vLLM in tests/vllm_engine/ (not
+when vllm is not installed. The engine itself is tested on real vLLM in tests/integration/vllm/ (not
 tests/vllm/: with tests/ on sys.path, a folder named vllm there would import as a namespace
 package called vllm where the real one is missing)."""
 

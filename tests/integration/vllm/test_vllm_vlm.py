@@ -11,8 +11,6 @@ processor are refused; and one training step of a tiny VLM pair runs with rollou
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -23,13 +21,11 @@ pytest.importorskip("vllm")
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vlm"))
-from vlm_testing import chats, solid, teacher_forced
-
 from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.rollout.vllm import VLLMEngine
+from tests.helpers.vlm import chats, solid, teacher_forced
 
 ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "max_model_len": 512}
 LOGPROB_TOL = 1e-4
@@ -140,10 +136,8 @@ def test_one_training_step_of_a_vlm_pair_with_vllm_rollouts(make_cfg, vlm) -> No
     if kind != "qwen2_vl":
         pytest.skip("one training run is enough (tiny_qwen2_vl pair)")
     eng.close()  # one in-process engine at a time
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vlm"))
-    from vlm_testing import synth_dir
-
     from saopd.train import train
+    from tests.helpers.vlm import synth_dir
 
     cfg = make_cfg("experiment=tiny_vlm", "model@student=tiny_qwen2_vl",
                    "model@teacher=tiny_qwen2_vl", "rollout=vllm", "steps=2",

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vlm_testing import tiny_pair
 
 from saopd.config.model import ModelConfig
 from saopd.models.factory import build_model, build_vlm
@@ -22,6 +21,7 @@ from saopd.models.vlm import (
     tiny_vlm_processor,
     tiny_vlm_tokenizer,
 )
+from tests.helpers.vlm import tiny_pair
 
 
 def _proc(kind: str = "qwen2_vl", tokenizer: str = "tiny", **pixels):

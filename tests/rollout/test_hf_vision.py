@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_testing import chats, teacher_forced, tiny_pair
 
 from saopd.contexts.vision import collate_vision_contexts
 from saopd.prompts.render import render_prompt_ids
 from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
+from tests.helpers.vlm import chats, teacher_forced, tiny_pair
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_5"])

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from vlm_testing import synth_dir
 
 from saopd.eval.runner import EvalProblem, evaluate_benchmark, load_benchmark
 from saopd.eval.vision import extract_choice, extract_count, extract_number, grade_vision
@@ -16,6 +15,7 @@ from saopd.evaluate import CONF_DIR, run_eval
 from saopd.models.tiny import tiny_tokenizer
 from saopd.prompts.vision import message_images
 from saopd.rollout.base import Rollout, RolloutBatch, SamplingParams
+from tests.helpers.vlm import synth_dir
 
 CHOICES = {"choices": ["blue", "green", "red", "yellow"]}
 

@@ -1,10 +1,10 @@
-"""One tiny training run under a given strategy, launched by tests/distributed (not a test).
+"""One tiny training run under a given strategy, launched by tests/integration (not a test).
 
 Lightning's DDP / ModelParallel launchers re-run this script once per extra rank. The rollouts
 are fixed (a pure function of the prompt, never of the rank or the batch split), so a run with
 W ranks and a single-process run see the same global batch and must take the same steps.
 
-    python tests/distributed/dist_worker.py OUT STRATEGY DEVICES [OVERRIDE ...]
+    python tests/integration/dist_worker.py OUT STRATEGY DEVICES [OVERRIDE ...]
 
 Rank 0 writes OUT/losses.json (the logged train/loss and train/flmr of every step) and the
 student's final weights come from OUT/run/checkpoints/last.ckpt.

@@ -8,16 +8,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
-from report_store import (
-    DUP_SCORES,
-    EXPERIMENT,
-    RUNS,
-    STUDENT,
-    K,
-    Store,
-    make_store,
-    metric,
-)
 
 from saopd.analysis.runs import (
     NoRunsError,
@@ -28,6 +18,16 @@ from saopd.analysis.runs import (
     resolve_tracking_uri,
 )
 from saopd.report import main
+from tests.helpers.report_store import (
+    DUP_SCORES,
+    EXPERIMENT,
+    RUNS,
+    STUDENT,
+    K,
+    Store,
+    make_store,
+    metric,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)

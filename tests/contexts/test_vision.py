@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_testing import KINDS, chats, tiny_pair
 
 from saopd.contexts.text import collate_contexts
 from saopd.contexts.vision import VisionInputs, collate_vision_contexts, vision_residual_messages
@@ -14,6 +13,7 @@ from saopd.lightning.module import _slice_batch
 from saopd.prompts.vision import encode_prompt, message_images
 from saopd.scoring.passes import response_source
 from saopd.signals import LMHead
+from tests.helpers.vlm import KINDS, chats, tiny_pair
 
 RESPONSES = [[11, 12, 13], [14, 15, 16, 17, 18], [19]]
 

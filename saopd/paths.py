@@ -1,0 +1,50 @@
+"""Where the repository is: the root that default paths (``conf/``, ``data/``, ``outputs/``,
+``mlflow.db``, ``mlartifacts/``) resolve against, whatever the working directory.
+
+The root is the folder holding the ``saopd`` package's source tree (a checkout with an editable
+install, as ``make setup`` makes), recognised by its ``conf/`` folder and ``pyproject.toml``;
+``$SAOPD_ROOT`` overrides it (a copy of the configs elsewhere, an installed package). The Hydra
+configs read it through the ``${saopd_root:}`` resolver, and every path built on it stays a
+config value (``paths.root=...``, ``data.path=...``, ``logger.tracking_uri=...``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["ROOT_ENV", "conf_dir", "register_resolvers", "repo_root"]
+
+#: Environment variable that overrides the repository root.
+ROOT_ENV = "SAOPD_ROOT"
+_MARKERS = ("conf", "pyproject.toml")
+
+
+def repo_root() -> Path:
+    """The repository root (absolute): ``$SAOPD_ROOT`` if set, else the parent of the package.
+
+    Raises ``FileNotFoundError`` naming the folder when it lacks ``conf/`` or
+    ``pyproject.toml`` (the package was installed without its repository: set ``SAOPD_ROOT``).
+    """
+    env = os.environ.get(ROOT_ENV)
+    root = Path(env).expanduser().resolve() if env else Path(__file__).resolve().parent.parent
+    missing = [m for m in _MARKERS if not (root / m).exists()]
+    if missing:
+        where = f"${ROOT_ENV}={env}" if env else f"the package's parent folder {root}"
+        raise FileNotFoundError(
+            f"{where} is not a saopd repository (no {' or '.join(missing)}); set {ROOT_ENV} to "
+            "the folder that holds conf/ and pyproject.toml")
+    return root
+
+
+def conf_dir() -> Path:
+    """The Hydra config folder, ``<root>/conf``."""
+    return repo_root() / "conf"
+
+
+def register_resolvers() -> None:
+    """Register ``${saopd_root:}`` with OmegaConf (idempotent); the entry points call it."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("saopd_root"):
+        OmegaConf.register_new_resolver("saopd_root", lambda: str(repo_root()))
