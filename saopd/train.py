@@ -16,17 +16,33 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hydra
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig
 
 import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import TrainConfig, register_schema, to_train_config
 from saopd.contexts import context_builder
+from saopd.eval.runner import load_benchmark
+from saopd.filters import build_filter
+from saopd.lightning.callbacks import EvalCallback, RolloutCallback, TokenViewCallback
+from saopd.lightning.data import PromptDataModule
+from saopd.lightning.module import OPDModule
+from saopd.lightning.trainer import build_trainer, checkpoint_callback
+from saopd.models.factory import build_pair
+from saopd.objectives import build_objective
 from saopd.paths import conf_dir, register_resolvers
+from saopd.prompts.sources import load_prompts
+from saopd.rollout import RolloutEngine, SamplingParams, build_engine, holds_weights
+from saopd.sweeps import is_multirun, record_job_failure, sweep_tags
+from saopd.tracking import default_tracking_uri, log_resolved_config, make_mlflow_logger, store_lock
+
+T = TypeVar("T")
 
 log = logging.getLogger("saopd.train")
 CONF_DIR = str(conf_dir())
@@ -35,110 +51,6 @@ RUN_RECORD = "saopd_run.json"
 
 class UserError(Exception):
     """A problem with the user's configuration or inputs: reported without a traceback."""
-
-
-def _build_filter_and_objective(conf: TrainConfig) -> tuple[Any, Any]:
-    from saopd.filters import build_filter
-    from saopd.objectives import build_objective
-
-    out = []
-    for group, build in (("filter", build_filter), ("objective", build_objective)):
-        params = dict(getattr(conf, group))
-        name = params.pop("name")
-        try:
-            out.append(build(name, **params))
-        except ValueError as err:
-            raise UserError(f"config group '{group}': {err}") from None
-    return out[0], out[1]
-
-
-def _prepared_records(path: Path, conf: TrainConfig) -> tuple[list[Any], Any]:
-    """Rows of the DVC pipeline's schema (``id``, ``messages``, ``answer``, ``source``)."""
-    from saopd.prompts.text import PromptRecord, load_jsonl
-
-    rows, report = load_jsonl(path, skip_bad=conf.data.skip_bad)
-    records = []
-    for i, row in enumerate(rows, start=1):
-        if not isinstance(row.get("messages"), list) or "id" not in row:
-            raise UserError(f"{path}: row {i} lacks 'id' or a 'messages' list "
-                            "(expected the schema of `dvc repro prepare_train`)")
-        records.append(PromptRecord(str(row["id"]), row["messages"], row.get("answer"),
-                                    str(row.get("source", "prepared"))))
-        if conf.data.limit is not None and len(records) >= conf.data.limit:
-            break
-    return records, report
-
-
-def _load_prompts(conf: TrainConfig, tokenizer: Any, processor: Any = None
-                  ) -> tuple[list[Any], dict[str, int]]:
-    from saopd.prompts.text import filter_long_prompts, gsm8k_records
-
-    path = Path(conf.data.path)
-    if not path.is_file():
-        hint = " (run `make data` / `dvc repro prepare_train`)" if \
-            conf.data.source == "prepared" else ""
-        hint = " (run `dvc repro prepare_vlm`)" if conf.data.source == "vision" else hint
-        raise UserError(f"data.path: no such file {path}{hint}")
-    if conf.data.source == "vision":  # prompts with images (issue 7)
-        return _vision_prompts(conf, path, processor)
-    if conf.data.source == "prepared":
-        records, report = _prepared_records(path, conf)
-    else:
-        records, report = gsm8k_records(path, system_prompt=conf.data.system_prompt,
-                                        instruction=conf.data.instruction,
-                                        limit=conf.data.limit, skip_bad=conf.data.skip_bad)
-    counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
-    max_len = conf.data.max_prompt_length
-    if max_len is not None and conf.data.long_prompts != "truncate":
-        records, n_long = filter_long_prompts(
-            records, tokenizer, max_len, mode=conf.data.long_prompts,
-            chat_template_kwargs=conf.data.chat_template_kwargs)
-        counts["prompts_skipped_long"] = n_long
-    if not records:
-        raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
-    return records, counts
-
-
-def _vision_prompts(conf: TrainConfig, path: Path, processor: Any
-                    ) -> tuple[list[Any], dict[str, int]]:
-    """Prompts with images (``data.source: vision``), checked row by row; over-long prompts
-    (counting their image tokens) are skipped or refused as ``data.long_prompts`` says."""
-    from saopd.prompts.vision import filter_long_vision_prompts, vision_records
-
-    if processor is None:
-        raise UserError("data.source=vision needs vision-language models (a tiny vision kind or "
-                        "model.vision: true for student and teacher)")
-    try:
-        records, report = vision_records(path, limit=conf.data.limit,
-                                         skip_bad=conf.data.skip_bad)
-        counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
-        max_len = conf.data.max_prompt_length
-        if max_len is not None and conf.data.long_prompts != "truncate":
-            records, counts["prompts_skipped_long"] = filter_long_vision_prompts(
-                records, processor, max_len, mode=conf.data.long_prompts,
-                chat_template_kwargs=conf.data.chat_template_kwargs)
-    except ValueError as err:
-        raise UserError(f"data: {err}") from None
-    if not records:
-        raise UserError(f"no training prompts left from {path} (see data.max_prompt_length)")
-    return records, counts
-
-
-def _build_vlm_pair(conf: TrainConfig) -> tuple[Any, Any, Any, Any, Any]:
-    """Student, its tokenizer, teacher, its tokenizer and the student's processor of a VLM pair;
-    the teacher's processor must agree with the student's (``check_same_processor``)."""
-    from saopd.models.factory import build_vlm
-    from saopd.models.vlm import check_same_processor
-
-    if not (conf.student.is_vision and conf.teacher.is_vision):
-        raise ValueError("student and teacher must both be vision-language models or both text "
-                         f"models (student vision: {conf.student.is_vision}, teacher vision: "
-                         f"{conf.teacher.is_vision})")
-    student, processor = build_vlm(conf.student)
-    teacher, teacher_processor = build_vlm(conf.teacher)
-    check_same_processor(processor, teacher_processor,
-                         chat_template_kwargs=conf.data.chat_template_kwargs)
-    return student, processor.tokenizer, teacher, teacher_processor.tokenizer, processor
 
 
 def _find_resume(conf: TrainConfig) -> Path | None:
@@ -170,100 +82,57 @@ for _pattern in (r".*module\(s\) in eval mode.*", r".*pre-optimization state was
 def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
     """Run one training job; returns a summary (paths, MLflow run, final metrics).
 
+    Builds, each through its registry or factory: filter and objective (``conf.filter`` /
+    ``conf.objective``), the teacher/student pair (:func:`saopd.models.factory.build_pair`), the
+    prompts (:func:`saopd.prompts.sources.load_prompts`), the rollout engine
+    (:func:`saopd.rollout.registry.build_engine`), the step's context builder
+    (:func:`saopd.contexts.context_builder`), then the module and the ``Trainer``.
     ``extra_callbacks`` are added to the Trainer's (profilers, custom logging, fault injection).
     """
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from saopd.lightning.callbacks import RolloutCallback, TokenViewCallback
-    from saopd.lightning.data import PromptDataModule
-    from saopd.lightning.module import OPDModule
-    from saopd.models import check_same_vocabulary
-    from saopd.models.factory import build_model
-    from saopd.rollout.base import SamplingParams
-    from saopd.rollout.registry import build_engine, holds_weights
-
-    try:
-        conf = to_train_config(cfg)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    conf = _checked("config", to_train_config, cfg)
     L.seed_everything(conf.seed, workers=True, verbose=False)
-    token_filter, objective = _build_filter_and_objective(conf)
+    token_filter = _checked("config group 'filter'", _build_variant, build_filter, conf.filter)
+    objective = _checked("config group 'objective'", _build_variant, build_objective,
+                         conf.objective)
     ckpt = _find_resume(conf)
     out_dir = ckpt.parent.parent if ckpt is not None else Path(conf.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()
-    processor = None  # the student's processor when the pair is vision-language (issue 7)
-    try:
-        if conf.student.is_vision or conf.teacher.is_vision:
-            student, tokenizer, teacher, teacher_tok, processor = _build_vlm_pair(conf)
-        else:
-            student, tokenizer = build_model(conf.student)
-            teacher, teacher_tok = build_model(conf.teacher)
-        vocab = check_same_vocabulary(tokenizer, teacher_tok, student, teacher)
-    except (ValueError, OSError) as err:
-        raise UserError(f"models: {err}") from None
+    pair = _checked("models", build_pair, conf.student, conf.teacher,
+                    chat_template_kwargs=conf.data.chat_template_kwargs)
     log.info("models ready in %.1f s", time.perf_counter() - started)
-    reference = None
-    if "lp_ref" in objective.needs:
-        reference = copy.deepcopy(student)
-    records, data_counts = _load_prompts(conf, tokenizer, processor)
-
-    sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
-                              top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
-                              seed=conf.seed)
-    try:
-        engine = build_engine(
-            conf.rollout, student, tokenizer, max_prompt_length=conf.data.max_prompt_length,
-            prompt_truncation="truncate" if conf.data.long_prompts == "truncate" else "error",
-            seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes,
-            chat_template_kwargs=conf.data.chat_template_kwargs, processor=processor)
-    except (ImportError, ValueError) as err:
-        raise UserError(f"rollout: {err}") from None
+    records, data_counts = _checked("data", load_prompts, conf.data, pair.tokenizer,
+                                    pair.processor)
+    engine = _checked(
+        "rollout", build_engine, conf.rollout, pair.student, pair.tokenizer,
+        max_prompt_length=conf.data.max_prompt_length,
+        prompt_truncation="truncate" if conf.data.long_prompts == "truncate" else "error",
+        seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes,
+        chat_template_kwargs=conf.data.chat_template_kwargs, processor=pair.processor)
     # from here on the engine is closed whatever happens: an engine with its own copy of the
     # model (vLLM) must free it, since sweeps run their jobs in one process
     try:
-        module = OPDModule(student=student, teacher=teacher, tokenizer=tokenizer,
-                           token_filter=token_filter, objective=objective, reference=reference,
-                           optim=conf.optim, step=conf.step, total_steps=conf.steps,
-                           vocab_size=vocab.common_logits,
-                           activation_checkpointing=conf.trainer.activation_checkpointing,
-                           fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
-                           contexts=context_builder(
-                               tokenizer, processor, residual_remove=conf.data.residual_remove,
-                               chat_template_kwargs=conf.data.chat_template_kwargs))
+        module = OPDModule(
+            student=pair.student, teacher=pair.teacher, tokenizer=pair.tokenizer,
+            token_filter=token_filter, objective=objective,
+            reference=copy.deepcopy(pair.student) if "lp_ref" in objective.needs else None,
+            optim=conf.optim, step=conf.step, total_steps=conf.steps,
+            vocab_size=pair.vocab.common_logits,
+            activation_checkpointing=conf.trainer.activation_checkpointing,
+            fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
+            contexts=context_builder(pair.tokenizer, pair.processor,
+                                     residual_remove=conf.data.residual_remove,
+                                     chat_template_kwargs=conf.data.chat_template_kwargs))
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
-
         # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
-        zero = _global_rank() == 0
-        loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None) if zero
-                             else ([], {}))
-        callbacks: list[L.Callback] = [
-            RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
-            ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
-                            every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
-                            save_last=True,
-                            save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
-                            auto_insert_metric_name=False),
-        ]
-        if conf.trainer.view_every_n_steps:
-            callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
-        if conf.eval.every_n_steps:
-            callbacks.append(_eval_callback(conf, out_dir))
-        callbacks.extend(extra_callbacks or [])
-        trainer = L.Trainer(
-            accelerator=conf.trainer.accelerator, devices=conf.trainer.devices,
-            num_nodes=conf.trainer.num_nodes, strategy=_strategy(conf),
-            precision=conf.trainer.precision, max_steps=conf.steps, logger=loggers,
-            callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0,
-            limit_val_batches=0, enable_progress_bar=conf.trainer.progress_bar,
-            enable_model_summary=False, default_root_dir=str(out_dir),
-            use_distributed_sampler=False,  # PromptDataModule splits each step's batch by rank
-        )
+        loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None)
+                             if _global_rank() == 0 else ([], {}))
+        trainer = _checked("trainer", build_trainer, conf, out_dir, loggers=loggers,
+                           callbacks=[*_callbacks(conf, engine, out_dir),
+                                      *(extra_callbacks or [])])
         if loggers and ckpt is None:
-            from saopd.tracking import log_resolved_config
-
             log_resolved_config(loggers[0], cfg)
             for name, value in data_counts.items():
                 loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
@@ -283,54 +152,43 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     return summary
 
 
+def _checked(what: str, build: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``build(*args, **kwargs)``; a ``ValueError``, ``OSError`` or ``ImportError`` (bad input,
+    a missing file or package) becomes a :class:`UserError` prefixed ``what:``."""
+    try:
+        return build(*args, **kwargs)
+    except (ValueError, OSError, ImportError) as err:
+        raise UserError(f"{what}: {err}") from None
+
+
+def _build_variant(build: Callable[..., T], params: Mapping[str, Any]) -> T:
+    """A filter or objective from its config mapping (``name`` + hyperparameters)."""
+    params = dict(params)
+    return build(params.pop("name"), **params)
+
+
+def _callbacks(conf: TrainConfig, engine: RolloutEngine, out_dir: Path) -> list[L.Callback]:
+    """Rollouts each step, checkpoints, and the optional token views and evaluation."""
+    sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
+                              top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
+                              seed=conf.seed)
+    callbacks: list[L.Callback] = [
+        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
+        checkpoint_callback(conf, out_dir),
+    ]
+    if conf.trainer.view_every_n_steps:
+        callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
+    if conf.eval.every_n_steps:
+        callbacks.append(_eval_callback(conf, out_dir))
+    return callbacks
+
+
 def _global_rank() -> int:
     """This process's global rank as the launcher set it (0 before any launch)."""
-    from lightning.pytorch.utilities import rank_zero_only
-
     return int(getattr(rank_zero_only, "rank", 0) or 0)
 
 
-def _world_size(conf: TrainConfig) -> int:
-    """Processes over all nodes: ``trainer.devices`` (a count, a list, or -1/"auto") x nodes."""
-    devices = conf.trainer.devices
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if devices in (-1, "auto"):
-        if conf.trainer.accelerator in ("gpu", "cuda", "auto"):
-            import torch
-
-            devices = torch.cuda.device_count()
-        else:
-            raise UserError("trainer.strategy=fsdp on CPU needs trainer.devices as a number")
-    count = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
-    if count < 1:
-        raise UserError(f"trainer.devices: no devices ({conf.trainer.devices!r})")
-    return count * conf.trainer.num_nodes
-
-
-def _strategy(conf: TrainConfig) -> Any:
-    """The Lightning strategy of ``trainer.strategy`` (``ddp``, ``fsdp`` or a Lightning name)."""
-    t = conf.trainer
-    if t.strategy == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        return DDPStrategy(process_group_backend=t.process_group_backend)
-    if t.strategy == "fsdp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        # One file per checkpoint with the student only (see OPDModule.on_save_checkpoint), as
-        # in single-process runs, so that resuming and saopd-eval read it the same way.
-        return ModelParallelStrategy(data_parallel_size=_world_size(conf), tensor_parallel_size=1,
-                                     save_distributed_checkpoint=False,
-                                     process_group_backend=t.process_group_backend)
-    return t.strategy
-
-
 def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
-    from saopd.eval.runner import load_benchmark
-    from saopd.lightning.callbacks import EvalCallback
-    from saopd.rollout.base import SamplingParams
-
     try:
         problems = {name: load_benchmark(name, conf.eval.data_dir, limit=conf.eval.limit)
                     for name in conf.eval.benchmarks}
@@ -346,8 +204,6 @@ def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
                  ) -> tuple[list[Any], dict[str, Any]]:
     if conf.logger.kind == "none":
         return [], {}
-    from saopd.tracking import default_tracking_uri, make_mlflow_logger
-
     record = out_dir / RUN_RECORD
     previous = json.loads(record.read_text()) if resuming and record.is_file() else {}
     uri = conf.logger.tracking_uri or previous.get("tracking_uri") or default_tracking_uri(
@@ -376,8 +232,6 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes
     on; :class:`saopd.sweeps.SweepSummary` reports the failures when the sweep ends.
     """
-    from saopd.sweeps import is_multirun
-
     try:
         summary = train(cfg)
     except Exception as err:
@@ -398,8 +252,6 @@ def _run_tags(conf: TrainConfig | DictConfig) -> dict[str, str]:
 
     Takes the validated config or, for a job that failed before validation, the raw one.
     """
-    from saopd.sweeps import sweep_tags
-
     named = {k: getattr(conf, k, None) for k in ("study", "method")}
     tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
             "objective": conf.objective["name"], "seed": conf.seed, **sweep_tags(),
@@ -409,8 +261,6 @@ def _run_tags(conf: TrainConfig | DictConfig) -> dict[str, str]:
 
 def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
     """A failed sweep job: log it, write FAILED.json, and mark (or make) its MLflow run FAILED."""
-    from saopd.sweeps import record_job_failure
-
     log.error("sweep job failed: %s: %s", type(err).__name__, err,
               exc_info=not isinstance(err, UserError))
     job_dir = Path(str(cfg.paths.output_dir))
@@ -419,8 +269,6 @@ def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
         return
     try:
         import mlflow
-
-        from saopd.tracking import default_tracking_uri, store_lock
 
         record = job_dir / RUN_RECORD
         previous = json.loads(record.read_text()) if record.is_file() else {}

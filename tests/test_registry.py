@@ -10,12 +10,12 @@ import dataclasses
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import random_signals
 from hypothesis import given, settings
 
 from saopd.filters import FILTERS, build_filter
 from saopd.objectives import OBJECTIVES, aggregate, build_objective
 from saopd.signals import TokenSignals
+from tests.conftest import random_signals
 
 FILTER_NAMES = FILTERS.names()
 OBJECTIVE_NAMES = OBJECTIVES.names()

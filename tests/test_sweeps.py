@@ -10,11 +10,11 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from conftest import REPO
 from hydra import compose, initialize_config_dir
 
 from saopd.sweeps import read_jobs
 from saopd.train import CONF_DIR
+from tests.conftest import REPO
 
 STUDIES = {
     "ablation_filters": {"filter": "none,random,divergence_only,ig_only,proxy_replacement,sa_opd"},

@@ -3,11 +3,18 @@ entry (``conf/model/*.yaml``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
-from saopd.models.loading import load_causal_lm, load_tokenizer, prune_layers
+from saopd.models.loading import (
+    VocabularyReport,
+    check_same_vocabulary,
+    load_causal_lm,
+    load_tokenizer,
+    prune_layers,
+)
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.registry import Registry
 
@@ -88,3 +95,54 @@ def build_vlm(cfg: ModelConfig) -> tuple[PreTrainedModel, Any]:
     if cfg.prune_every is not None or cfg.prune_keep is not None:
         model = prune_layers(model, keep=cfg.prune_keep, every=cfg.prune_every)
     return model, processor
+
+
+@dataclass
+class ModelPair:
+    """A teacher/student pair ready for training, checked compatible.
+
+    Attributes:
+        student, teacher: the two models (eval mode as built).
+        tokenizer: the student's tokenizer (shared vocabulary with the teacher's).
+        teacher_tokenizer: the teacher's own tokenizer.
+        processor: the student's processor for a vision-language pair (the teacher's was
+            checked equal), None for text pairs.
+        vocab: the vocabulary check (:func:`~saopd.models.loading.check_same_vocabulary`); its
+            ``common_logits`` is the head width both models score over.
+    """
+
+    student: PreTrainedModel
+    teacher: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    teacher_tokenizer: PreTrainedTokenizerBase
+    processor: Any | None
+    vocab: VocabularyReport
+
+
+def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> ModelPair:
+    """Build student and teacher and check that they can be distilled one into the other.
+
+    Both must be text models or both vision-language models; a VLM pair's processors must agree
+    (:func:`~saopd.models.vlm.check_same_processor`, rendering with ``chat_template_kwargs``),
+    and every pair must share one vocabulary (:func:`check_same_vocabulary`). Raises
+    ``ValueError`` saying which check failed.
+    """
+    from saopd.models.vlm import check_same_processor
+
+    if student_cfg.is_vision != teacher_cfg.is_vision:
+        raise ValueError("student and teacher must both be vision-language models or both text "
+                         f"models (student vision: {student_cfg.is_vision}, teacher vision: "
+                         f"{teacher_cfg.is_vision})")
+    processor = None
+    if student_cfg.is_vision:
+        student, processor = build_vlm(student_cfg)
+        teacher, teacher_processor = build_vlm(teacher_cfg)
+        check_same_processor(processor, teacher_processor,
+                             chat_template_kwargs=chat_template_kwargs)
+        tokenizer, teacher_tok = processor.tokenizer, teacher_processor.tokenizer
+    else:
+        student, tokenizer = build_model(student_cfg)
+        teacher, teacher_tok = build_model(teacher_cfg)
+    vocab = check_same_vocabulary(tokenizer, teacher_tok, student, teacher)
+    return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab)

@@ -85,7 +85,8 @@ class ReadReport:
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
 
-    def _bad(self, msg: str, skip_bad: bool) -> None:
+    def bad(self, msg: str, skip_bad: bool) -> None:
+        """Raise ``ValueError(msg)``, or with ``skip_bad`` count and record ``msg``."""
         if not skip_bad:
             raise ValueError(msg)
         self.skipped += 1
@@ -96,7 +97,7 @@ def _iter_jsonl(
     path: PathLike, report: ReadReport, skip_bad: bool
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """:func:`iter_jsonl_objects` with bad lines raised or counted in ``report``."""
-    return iter_jsonl_objects(path, lambda msg: report._bad(msg, skip_bad))
+    return iter_jsonl_objects(path, lambda msg: report.bad(msg, skip_bad))
 
 
 def load_jsonl(
@@ -205,7 +206,7 @@ def gsm8k_records(
             if not isinstance(row.get(k), str) or not row[k].strip()
         ]
         if bad:
-            report._bad(
+            report.bad(
                 f"{where}: missing or empty field(s) {bad} (need non-empty strings 'question' "
                 f"and 'answer'; keys: {sorted(row)})",
                 skip_bad,
@@ -214,7 +215,7 @@ def gsm8k_records(
         try:
             answer = gsm8k_answer(row["answer"])
         except ValueError as e:
-            report._bad(f"{where}: {e}", skip_bad)
+            report.bad(f"{where}: {e}", skip_bad)
             continue
         messages: list[dict[str, Any]] = []
         if system_prompt:
@@ -391,8 +392,8 @@ def filter_long_prompts(
     generation prompt (:func:`saopd.contexts.text.render_prompt_ids`, ``chat_template_kwargs``
     passed through). ``mode``: ``"skip"`` drops over-long records, ``"error"`` raises
     ``ValueError`` naming the first over-long record and the count, ``"truncate"`` keeps them all
-    (the engine and the contexts cut them later; a warning gives the count). Returns ``(records, n_skipped)``; ``n_skipped`` is 0 unless
-    ``mode="skip"``.
+    (the engine and the contexts cut them later; a warning gives the count). Returns
+    ``(records, n_skipped)``; ``n_skipped`` is 0 unless ``mode="skip"``.
     """
     check_choice("mode", mode, LONG_PROMPT_MODES)
     if (

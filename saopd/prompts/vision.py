@@ -203,11 +203,11 @@ def read_vision_rows(
     rows: list[dict[str, Any]] = []
     if limit == 0:
         return rows, report
-    for lineno, row in iter_jsonl_objects(path, lambda msg: report._bad(msg, skip_bad)):
+    for lineno, row in iter_jsonl_objects(path, lambda msg: report.bad(msg, skip_bad)):
         where = f"{name}:{lineno}"
         missing = [k for k in required if k not in row]
         if missing:
-            report._bad(f"{where}: missing field(s) {missing} (keys: {sorted(row)})", skip_bad)
+            report.bad(f"{where}: missing field(s) {missing} (keys: {sorted(row)})", skip_bad)
             continue
         try:
             messages = validate_messages(row.get("messages"), base_dir=base,
@@ -217,7 +217,7 @@ def read_vision_rows(
                 raise ValueError(f"{where}: metadata must be an object, got "
                                  f"{type(meta).__name__}")
         except ValueError as e:
-            report._bad(str(e), skip_bad)
+            report.bad(str(e), skip_bad)
             continue
         rows.append({**row, "messages": messages, "line": lineno})
         if limit is not None and len(rows) >= limit:

@@ -7,7 +7,6 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
-from conftest import hand_signals  # the hand-made batch of tests/conftest.py
 
 from saopd.analysis import (
     TokenRow,
@@ -18,6 +17,7 @@ from saopd.analysis import (
 )
 from saopd.filters import build_filter
 from saopd.models import tiny_tokenizer
+from tests.conftest import hand_signals  # the hand-made batch of tests/conftest.py
 
 VOID = {"br", "meta", "hr", "img", "input", "link", "wbr"}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_train
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
@@ -13,6 +12,7 @@ from saopd.config import to_train_config
 from saopd.filters import FILTERS, build_filter
 from saopd.objectives import OBJECTIVES, build_objective
 from saopd.train import UserError, train
+from tests.conftest import REPO, compose_train
 
 CONF = REPO / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

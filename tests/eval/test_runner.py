@@ -91,10 +91,9 @@ def test_saopd_eval_on_a_tiny_model_writes_samples_and_logs(tmp_path: Path,
 
 def test_eval_of_a_training_checkpoint_loads_the_student(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from conftest import compose_train
-
     from saopd.evaluate import load_checkpoint_student
     from saopd.train import train
+    from tests.conftest import compose_train
 
     summary = train(compose_train(tmp_path, "experiment=tiny", "steps=1", mlflow=False))
     ckpt = Path(summary["last_checkpoint"])
@@ -113,9 +112,8 @@ def test_eval_of_a_training_checkpoint_loads_the_student(tmp_path: Path, monkeyp
 
 def test_training_time_eval_logs_avg_at_k(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from conftest import compose_train
-
     from saopd.train import train
+    from tests.conftest import compose_train
 
     summary = train(compose_train(tmp_path, "experiment=tiny", "steps=2", "eval.every_n_steps=1",
                                   "eval.limit=2", "eval.max_new_tokens=8"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hand_signals, mask_of
 
 from saopd.filters import build_filter
 from saopd.signals import TokenSignals
+from tests.conftest import hand_signals, mask_of
 
 # On the hand batch (see conftest), SA-OPD with p1 = p2 = 0.5 filters exactly one token (t0).
 MATCH = {"p1": 0.5, "p2": 0.5}

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import random_signals
 
 from saopd.filters import FILTERS, build_filter
 from saopd.filters.distributed import batch_global_filter
 from saopd.signals import TokenSignals
+from tests.conftest import random_signals
 
 CASES = {
     "sa_opd": {"p1": 0.3, "p2": 0.4},

@@ -10,12 +10,12 @@ from fractions import Fraction
 import hypothesis.strategies as st
 import pytest
 import torch
-from conftest import TOTAL, hand_signals, mask_of  # the hand-made batch
 from hypothesis import given, settings
 
 from saopd.filters import build_filter, spurious_token_mask
 from saopd.filters.ranks import count_for, decimal
 from saopd.signals import TokenSignals
+from tests.conftest import TOTAL, hand_signals, mask_of  # the hand-made batch
 
 
 def run(**kw: object):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from saopd.config import to_train_config
 from saopd.lightning.data import StepBatchSampler
+from saopd.lightning.trainer import data_parallel_size, strategy
 from saopd.models.sharding import decoder_layers
-from saopd.train import UserError, _strategy, _world_size, to_train_config
 
 
 def test_ranks_split_each_step_into_contiguous_shares() -> None:
@@ -28,22 +29,22 @@ def test_indivisible_batch_is_refused() -> None:
 def test_strategies_are_built_from_the_config(make_cfg) -> None:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    ddp = _strategy(to_train_config(make_cfg("experiment=tiny", "trainer=cpu_ddp")))
+    ddp = strategy(to_train_config(make_cfg("experiment=tiny", "trainer=cpu_ddp")))
     assert isinstance(ddp, DDPStrategy)
     assert ddp.process_group_backend == "gloo"
     conf = to_train_config(make_cfg("experiment=tiny", "trainer=cpu_ddp", "trainer.strategy=fsdp",
                                     "trainer.devices=2", "trainer.num_nodes=3"))
-    fsdp = _strategy(conf)
+    fsdp = strategy(conf)
     assert isinstance(fsdp, ModelParallelStrategy)
     assert fsdp._data_parallel_size == 6 and fsdp._tensor_parallel_size == 1
-    assert _strategy(to_train_config(make_cfg("experiment=tiny"))) == "auto"
+    assert strategy(to_train_config(make_cfg("experiment=tiny"))) == "auto"
 
 
 def test_fsdp_on_cpu_needs_a_device_count(make_cfg) -> None:
     conf = to_train_config(make_cfg("experiment=tiny", "trainer.strategy=fsdp",
                                     "trainer.devices=auto"))
-    with pytest.raises(UserError, match="devices as a number"):
-        _world_size(conf)
+    with pytest.raises(ValueError, match="devices as a number"):
+        data_parallel_size(conf)
 
 
 def test_fsdp_mixed_precision_needs_fsdp(make_cfg) -> None:

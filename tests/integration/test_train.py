@@ -13,10 +13,10 @@ import lightning as L
 import mlflow
 import pytest
 import torch
-from conftest import REPO
 
 import saopd.scoring.passes as scoring
 from saopd.train import train
+from tests.conftest import REPO
 
 REQUIRED_METRICS = ("train/loss", "train/flmr", "train/filtered_ratio", "train/alpha",
                     "train/kl", "train/grounding_gap_filtered", "train/grounding_gap_kept",
@@ -119,7 +119,7 @@ KILL_SCRIPT = textwrap.dedent("""
     import os, sys
     import lightning as L
     sys.path.insert(0, {tests!r})
-    from conftest import compose_train
+    from tests.conftest import compose_train
     from pathlib import Path
     from saopd.train import train
 
@@ -222,9 +222,9 @@ def test_chat_template_kwargs_reach_text_rollouts_and_contexts(make_cfg) -> None
 def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: str) -> None:
     # an engine holding its own model copy (vLLM) must be freed even when the run fails:
     # sweeps run their jobs in one process
-    import saopd.rollout.registry as factory
+    import saopd.train as train_module
 
-    built, real = [], factory.build_engine
+    built, real = [], train_module.build_engine
 
     class Closing:
         closed = False
@@ -249,10 +249,8 @@ def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: 
     def broken_logger(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(factory, "build_engine", build)
+    monkeypatch.setattr(train_module, "build_engine", build)
     if where == "before_fit":  # the tracking set-up fails after the engine was built
-        import saopd.train as train_module
-
         monkeypatch.setattr(train_module, "_make_logger", broken_logger)
     with pytest.raises(RuntimeError, match="boom"):
         train(make_cfg("experiment=tiny", "steps=1", mlflow=False),

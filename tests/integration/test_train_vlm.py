@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import compose_train
 
 from saopd.config import to_train_config
 from saopd.config.model import ModelConfig
 from saopd.contexts.vision import VisionContexts
 from saopd.models.factory import build_vlm
 from saopd.train import UserError, train
+from tests.conftest import compose_train
 from tests.helpers.vlm import synth_dir
 
 

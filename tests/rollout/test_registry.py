@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import compose_train
 
 from saopd.config import to_train_config
 from saopd.rollout.registry import build_engine, num_training_processes
 from saopd.rollout.vllm import canonical_weight_name, iter_full_tensor_buckets
+from tests.conftest import compose_train
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

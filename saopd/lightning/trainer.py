@@ -1,0 +1,81 @@
+"""The Lightning ``Trainer`` of a run: strategy (one process, DDP, FSDP2), callbacks, settings.
+
+:func:`build_trainer` turns ``conf.trainer`` (:class:`saopd.config.run.TrainerConfig`) into a
+``lightning.Trainer`` with the run's callbacks; :func:`strategy` picks DDP or FSDP2
+(``ModelParallelStrategy``, see :mod:`saopd.models.sharding`) or passes a Lightning strategy name
+through.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from saopd.config.train import TrainConfig
+from saopd.rollout.registry import num_training_processes
+
+__all__ = ["build_trainer", "checkpoint_callback", "data_parallel_size", "strategy"]
+
+
+def data_parallel_size(conf: TrainConfig) -> int:
+    """Training processes over all nodes for FSDP's mesh: ``trainer.devices`` x ``num_nodes``.
+
+    Raises ``ValueError`` for ``devices: auto`` / ``-1`` off GPU (FSDP on CPU needs a count)
+    and for a device list or count below 1.
+    """
+    t = conf.trainer
+    devices = t.devices
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if devices in (-1, "auto") and not (t.accelerator in ("gpu", "cuda", "auto")
+                                         and torch.cuda.is_available()):
+        raise ValueError("trainer.strategy=fsdp on CPU needs trainer.devices as a number")
+    if (isinstance(devices, (list, tuple)) and not devices) or (
+            isinstance(devices, int) and devices == 0):
+        raise ValueError(f"trainer.devices: no devices ({t.devices!r})")
+    return num_training_processes(devices, t.num_nodes)
+
+
+def strategy(conf: TrainConfig) -> Any:
+    """The Lightning strategy of ``trainer.strategy`` (``ddp``, ``fsdp`` or a Lightning name)."""
+    t = conf.trainer
+    if t.strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend=t.process_group_backend)
+    if t.strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # One file per checkpoint with the student only (see OPDModule.on_save_checkpoint), as
+        # in single-process runs, so that resuming and saopd-eval read it the same way.
+        return ModelParallelStrategy(data_parallel_size=data_parallel_size(conf),
+                                     tensor_parallel_size=1, save_distributed_checkpoint=False,
+                                     process_group_backend=t.process_group_backend)
+    return t.strategy
+
+
+def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
+    """``last.ckpt`` and ``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps``."""
+    return ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
+                           every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
+                           save_last=True,
+                           save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
+                           auto_insert_metric_name=False)
+
+
+def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
+                  callbacks: list[L.Callback]) -> L.Trainer:
+    """The run's ``Trainer``: ``conf.steps`` optimizer steps, one rollout batch each, logging
+    every step, no validation loop; the prompt loader splits each step's batch by rank itself."""
+    t = conf.trainer
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
+        strategy=strategy(conf), precision=t.precision, max_steps=conf.steps, logger=loggers,
+        callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
+        enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        default_root_dir=str(out_dir), use_distributed_sampler=False,
+    )
