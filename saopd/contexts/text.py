@@ -285,6 +285,11 @@ class ContextBatch:
     def to(self, device: torch.device | str) -> ContextBatch:
         return ContextBatch(**{k: getattr(self, k).to(device) for k in self.__dataclass_fields__})
 
+    def rows(self, rows: slice) -> ContextBatch:
+        """The batch rows ``rows`` (a micro-batch), every field sliced on its first dimension
+        (subclasses' fields too: each must support ``field[rows]``)."""
+        return type(self)(**{k: getattr(self, k)[rows] for k in self.__dataclass_fields__})
+
 
 @dataclass(frozen=True)
 class PairedContextBatch:
@@ -316,6 +321,14 @@ class PairedContextBatch:
             padding_side=self.padding_side,
         )
 
+    def rows(self, rows: slice) -> PairedContextBatch:
+        """The batch rows ``rows`` of both contexts (a micro-batch; ``truncated_rows`` is the
+        whole batch's count and is not carried over)."""
+        return PairedContextBatch(full=self.full.rows(rows), residual=self.residual.rows(rows),
+                                  response_ids=self.response_ids[rows],
+                                  response_mask=self.response_mask[rows],
+                                  truncated_rows=(), padding_side=self.padding_side)
+
 
 def resolve_pad_id(tokenizer: PreTrainedTokenizerBase | None, pad_token_id: int | None) -> int:
     if pad_token_id is not None:
@@ -336,7 +349,8 @@ def _truncate(
     if truncation == "error":
         raise ValueError(
             f"row {row}: the {which} context has {len(ids)} tokens (prompt {start} + response "
-            f"{resp_len}) > max_length {max_length}; pass truncation='truncate' to drop prompt tokens"
+            f"{resp_len}) > max_length {max_length}; pass truncation='truncate' to drop prompt "
+            "tokens"
         )
     if resp_len + 1 > max_length:
         raise ValueError(

@@ -41,6 +41,12 @@ class FilterResult:
     weights: torch.Tensor
     stats: dict[str, float] = field(default_factory=dict)
 
+    def rows(self, rows: slice) -> FilterResult:
+        """The decision for batch rows ``rows`` (a micro-batch); ``stats`` stay the whole
+        batch's."""
+        return FilterResult(keep=self.keep[rows], filtered=self.filtered[rows],
+                            weights=self.weights[rows], stats=self.stats)
+
 
 def _mean_over(values: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of ``values`` over ``mask``; 0.0 for an empty mask (the matching count says so)."""
@@ -120,8 +126,10 @@ def filter_stats(signals: TokenSignals, filtered: torch.Tensor, *, alpha: float 
 class TokenFilter:
     """Base of every filter: a dataclass whose fields are its hyperparameters.
 
-    Subclasses implement :meth:`select`, returning the filtered set F (bool [B, T]) and optional
-    extra values; :meth:`__call__` validates the signals and packs a :class:`FilterResult`.
+    Subclasses implement :meth:`apply`, returning a :class:`FilterResult` (most build it from
+    the filtered set F, bool [B, T], with :func:`result_from_filtered`); :meth:`__call__` checks
+    that the signals hold what :attr:`needs` lists, then calls :meth:`apply`. Every entry of
+    ``FilterResult.stats`` is logged (``train/<key>``).
     ``needs`` lists the :class:`TokenSignals` fields the filter reads beyond lpS, lpT, valid, so
     the training step computes only those (vanilla OPD pays for no residual pass).
     """
@@ -144,6 +152,7 @@ class TokenFilter:
 
     def apply(self, signals: TokenSignals, *,
               generator: torch.Generator | None = None) -> FilterResult:
+        """Decide F for the batch (``generator``: the step's seeded RNG, for random filters)."""
         raise NotImplementedError
 
     def config(self) -> dict[str, object]:

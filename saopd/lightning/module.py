@@ -19,7 +19,6 @@ full-batch gradient.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,19 +29,18 @@ from saopd.config.step import OptimConfig, StepConfig
 from saopd.contexts import ContextBuilder, TextContexts
 from saopd.contexts.text import PairedContextBatch
 from saopd.filters import FilterResult, TokenFilter
-from saopd.filters.distributed import batch_global_filter
+from saopd.filters.distributed import batch_global_filter, world_size
 from saopd.lightning.metrics import TrainMetrics
 from saopd.models.sharding import (
     all_reduce_sum,
-    dp_world_size,
     enable_activation_checkpointing,
     no_backward_sync,
     shard_model,
 )
 from saopd.objectives import Objective, aggregate
 from saopd.rollout.base import RolloutBatch
-from saopd.scoring.passes import FrozenScores, ScoringNeeds, score_frozen, score_student
-from saopd.signals import LMHead, Logits, TokenSignals
+from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
+from saopd.signals import TokenSignals
 
 if TYPE_CHECKING:
 
@@ -52,39 +50,6 @@ if TYPE_CHECKING:
 
 FROZEN_PREFIXES = ("teacher.", "reference.")
 SCHEDULES = ("constant", "linear", "cosine")
-
-
-def _rows(t: Any, rows: slice) -> Any:
-    return t[rows] if isinstance(t, torch.Tensor) else t
-
-
-def _slice_batch(batch: PairedContextBatch, rows: slice) -> PairedContextBatch:
-    def ctx(c: Any) -> Any:
-        return type(c)(**{k: getattr(c, k)[rows] for k in c.__dataclass_fields__})
-
-    return PairedContextBatch(full=ctx(batch.full), residual=ctx(batch.residual),
-                              response_ids=batch.response_ids[rows],
-                              response_mask=batch.response_mask[rows],
-                              truncated_rows=(), padding_side=batch.padding_side)
-
-
-def _slice_frozen(frozen: FrozenScores, rows: slice) -> FrozenScores:
-    head = frozen.teacher_head
-    if isinstance(head, LMHead):
-        head = dataclasses.replace(head, hidden=head.hidden[rows])
-    elif isinstance(head, Logits):
-        head = Logits(head.logits[rows])
-    return FrozenScores(
-        lp_teacher=frozen.lp_teacher[rows], entropy_teacher=_rows(frozen.entropy_teacher, rows),
-        lp_teacher_res=_rows(frozen.lp_teacher_res, rows),
-        lp_student_res=_rows(frozen.lp_student_res, rows), lp_ref=_rows(frozen.lp_ref, rows),
-        teacher_head=head,
-    )
-
-
-def _slice_result(result: FilterResult, rows: slice) -> FilterResult:
-    return FilterResult(keep=result.keep[rows], filtered=result.filtered[rows],
-                        weights=result.weights[rows], stats=result.stats)
 
 
 class OPDModule(L.LightningModule):
@@ -230,40 +195,37 @@ class OPDModule(L.LightningModule):
 
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
-        micro = self.step_cfg.micro_batch_size
-        mode = self.step_cfg.aggregation
-        world = dp_world_size()
-        whole = micro is None or micro >= n_rows
+        micro = self.step_cfg.micro_batch_size or n_rows
+        world = world_size()
+        whole = micro >= n_rows
         # The filter is batch-global (over every rank's rollouts): score first, filter, then
-        # back-propagate with the global counts. With one micro-batch and one rank the first
-        # scoring pass carries the gradient itself.
+        # back-propagate with the global counts. With one micro-batch the first scoring pass
+        # carries the gradient itself; with several, each micro-batch is scored again with it.
         with torch.set_grad_enabled(whole):
             signals = score_student(ctx, frozen, student=self.student, needs=self.needs,
                                     lp_sampler=lp_sampler, **kw)
         result = batch_global_filter(self.token_filter, signals, generator=generator)
         out = self.objective(signals, result)  # metrics of this rank's rows
         counts = all_reduce_sum(torch.stack([result.keep.sum(), (result.keep.sum(-1) > 0).sum()]))
-        num_tokens, num_seqs = counts[0], counts[1]
-        if whole:
+        chunks = [slice(start, start + micro) for start in range(0, n_rows, micro)]
+        loss = torch.zeros((), device=self.device)
+        for i, rows in enumerate(chunks):
+            if whole:
+                part, part_loss = result, out.loss
+            else:
+                part = result.rows(rows)
+                sub = score_student(ctx.rows(rows), frozen.rows(rows), student=self.student,
+                                    needs=self.needs,
+                                    lp_sampler=None if lp_sampler is None else lp_sampler[rows],
+                                    **kw)
+                part_loss = self.objective(sub, part).loss
+            chunk_loss = aggregate(part_loss, part.keep, self.step_cfg.aggregation,
+                                   num_tokens=counts[0], num_sequences=counts[1])
             # gradients are averaged over the W ranks: back-propagate W x this rank's share
-            loss = aggregate(out.loss, result.keep, mode, num_tokens=num_tokens,
-                             num_sequences=num_seqs)
-            self.manual_backward(loss * world if world > 1 else loss)
-        else:
-            loss = torch.zeros((), device=self.device)
-            starts = list(range(0, n_rows, micro))
-            for start in starts:
-                rows = slice(start, start + micro)
-                sub = score_student(_slice_batch(ctx, rows), _slice_frozen(frozen, rows),
-                                    student=self.student, needs=self.needs,
-                                    lp_sampler=_rows(lp_sampler, rows), **kw)
-                part = _slice_result(result, rows)
-                sub_loss = aggregate(self.objective(sub, part).loss, part.keep, mode,
-                                     num_tokens=num_tokens, num_sequences=num_seqs)
-                with no_backward_sync(self.trainer.strategy, start != starts[-1]):
-                    self.manual_backward(sub_loss * world if world > 1 else sub_loss)
-                loss = loss + sub_loss.detach()
-        loss = all_reduce_sum(loss.detach())  # the global batch's loss
+            with no_backward_sync(self.trainer.strategy, i != len(chunks) - 1):
+                self.manual_backward(chunk_loss * world if world > 1 else chunk_loss)
+            loss = loss + chunk_loss.detach()
+        loss = all_reduce_sum(loss)  # the global batch's loss
 
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.optim_cfg.grad_clip,
@@ -302,7 +264,7 @@ class OPDModule(L.LightningModule):
         values["step_time"] = m.step("step_time", time.perf_counter() - started)
         bar = {"loss", "flmr"}
         # loss and the filter's statistics are already global; the rest are averaged over ranks
-        sync = dp_world_size() > 1
+        sync = world_size() > 1
         for name, value in values.items():
             self.log(f"train/{name}", value, on_step=True, on_epoch=False,
                      prog_bar=name in bar, batch_size=len(rollouts.rollouts), sync_dist=sync)

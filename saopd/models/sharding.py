@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from saopd.filters.distributed import world_size as dp_world_size  # data-parallel ranks
+from saopd.filters.distributed import world_size
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """Sum of ``value`` over all ranks (a detached copy; ``value`` itself without a group)."""
-    if dp_world_size() == 1:
+    if world_size() == 1:
         return value
     out = value.detach().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)

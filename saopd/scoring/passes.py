@@ -146,6 +146,26 @@ class FrozenScores:
     lp_ref: torch.Tensor | None
     teacher_head: LogitSource | None  # kept only for the exact KL
 
+    def rows(self, rows: slice) -> FrozenScores:
+        """The scores of batch rows ``rows`` (a micro-batch), the teacher's head included."""
+        head = None if self.teacher_head is None else _rows_of(self.teacher_head, rows)
+        return FrozenScores(
+            lp_teacher=self.lp_teacher[rows], entropy_teacher=_rows(self.entropy_teacher, rows),
+            lp_teacher_res=_rows(self.lp_teacher_res, rows),
+            lp_student_res=_rows(self.lp_student_res, rows), lp_ref=_rows(self.lp_ref, rows),
+            teacher_head=head)
+
+
+def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def _rows_of(src: LogitSource, rows: slice) -> LogitSource:
+    """Rows ``rows`` of a logit source (an LM head's hidden states, or gathered logits)."""
+    if isinstance(src, LMHead):
+        return LMHead(src.hidden[rows], src.weight, src.bias)
+    return Logits(src.logits[rows])
+
 
 def stack_contexts(first: ContextBatch, second: ContextBatch) -> ContextBatch:
     """The rows of two right-padded contexts as one batch ``[B1 + B2, max(T1, T2)]``.
@@ -182,12 +202,6 @@ def _stackable(batch: PairedContextBatch, max_padding: float) -> bool:
         return False
     t_full, t_res = full.input_ids.shape[1], res.input_ids.shape[1]
     return abs(t_full - t_res) <= max_padding * max(t_full, t_res)
-
-
-def _rows_of(src: LogitSource, rows: slice) -> LogitSource:
-    if isinstance(src, LMHead):
-        return LMHead(src.hidden[rows], src.weight, src.bias)
-    return Logits(src.logits[rows])
 
 
 @torch.no_grad()

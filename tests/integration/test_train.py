@@ -20,7 +20,9 @@ from tests.conftest import REPO
 
 REQUIRED_METRICS = ("train/loss", "train/flmr", "train/filtered_ratio", "train/alpha",
                     "train/kl", "train/grounding_gap_filtered", "train/grounding_gap_kept",
-                    "train/response_length", "train/step_time", "train/entropy_student_kept")
+                    "train/response_length", "train/step_time", "train/entropy_student_kept",
+                    # every statistic the filter returns is logged (p1/p2 used to be dropped)
+                    "train/p1", "train/p2", "train/n_valid", "train/n_filtered")
 
 
 def student_weights(ckpt: Path) -> dict[str, torch.Tensor]:
