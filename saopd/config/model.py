@@ -1,4 +1,4 @@
-"""Schema of one model entry (``conf/model/*.yaml``): student, teacher, or ``saopd-eval``'s model."""
+"""Schema of one model entry (``conf/model/*.yaml``): student, teacher or the evaluated model."""
 
 from __future__ import annotations
 

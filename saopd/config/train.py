@@ -11,15 +11,23 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from saopd.config.data import DataConfig
 from saopd.config.eval import EvalConfig, EvalDuringTrainingConfig
 from saopd.config.model import ModelConfig
-from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from saopd.config.rollout import RolloutConfig
 from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.validation import check_int
 
 __all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config"]
 
-#: The schema of each rollout engine's YAML file, by engine name.
-ROLLOUT_SCHEMAS: dict[str, type[RolloutConfig]] = {"hf": HFRolloutConfig, "vllm": VLLMRolloutConfig}
+
+
+def _rollout_schemas() -> dict[str, type[RolloutConfig]]:
+    """Every subclass of :class:`RolloutConfig` in :mod:`saopd.config.rollout`, by the engine
+    name its ``engine`` field defaults to (a new engine's dataclass is found without a list)."""
+    return {cls.engine: cls for cls in RolloutConfig.__subclasses__()}
+
+
+#: The schema of each rollout engine's YAML file (``<engine>_schema``), by engine name.
+ROLLOUT_SCHEMAS: dict[str, type[RolloutConfig]] = _rollout_schemas()
 
 
 @dataclass
