@@ -61,7 +61,7 @@ def make_signals() -> Callable[..., TokenSignals]:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from its PyPI GGUF (once; then the on-disk cache)."""
-    from saopd.models.loading import smollm2_135m_instruct
+    from saopd.models.smollm2 import smollm2_135m_instruct
 
     return smollm2_135m_instruct()
 

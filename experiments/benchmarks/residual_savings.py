@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from saopd.config.model import ModelConfig
-from saopd.contexts.text import ContextBatch, PairedContextBatch, collate_contexts
+from saopd.contexts.batch import ContextBatch, PairedContextBatch
+from saopd.contexts.text import collate_contexts
 from saopd.filters import build_filter
 from saopd.models.factory import build_model
 from saopd.objectives import aggregate, build_objective

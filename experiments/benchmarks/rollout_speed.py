@@ -58,7 +58,8 @@ def _model(name: str, dtype: str):
         tok = tiny_tokenizer()
         model = tiny_qwen3(tok, layers=4, hidden=256, heads=8, kv_heads=2, head_dim=32)
         return model.to(getattr(torch, dtype)), tok
-    from saopd.models.loading import load_causal_lm, load_tokenizer, smollm2_135m_instruct
+    from saopd.models.loading import load_causal_lm, load_tokenizer
+    from saopd.models.smollm2 import smollm2_135m_instruct
 
     folder = smollm2_135m_instruct()
     return load_causal_lm(str(folder), dtype=dtype), load_tokenizer(str(folder))

@@ -14,18 +14,20 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from saopd.config.step import StepConfig
-from saopd.contexts.text import (
+from saopd.contexts.batch import (
     ContextBatch,
     Contexts,
     PairedContextBatch,
+    gather_response_logprobs,
+    pad_contexts,
+    response_positions,
+)
+from saopd.contexts.text import (
     TextContexts,
     build_contexts,
     collate_contexts,
-    gather_response_logprobs,
-    pad_contexts,
     residual_messages,
     residual_start_token_id,
-    response_positions,
 )
 from saopd.contexts.vision import VisionContexts
 

@@ -36,16 +36,14 @@ import torch
 
 from saopd.choices import RESIDUAL_MODES, VISION_RESIDUAL_MODES
 from saopd.config.step import DEFAULT_NEUTRAL_PROMPT, StepConfig
-from saopd.contexts.text import (
+from saopd.contexts.batch import (
     ContextBatch,
     Contexts,
     PairedContextBatch,
-    as_id_list,
-    check_collate_args,
     pad_contexts,
-    residual_start_token_id,
     resolve_pad_id,
 )
+from saopd.contexts.text import as_id_list, check_collate_args, residual_start_token_id
 from saopd.prompts.render import leading_system
 from saopd.prompts.vision import VisionPrompt, encode_prompt, image_token_count, message_parts
 from saopd.validation import check_choice

@@ -27,7 +27,7 @@ import torch
 
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.contexts import ContextBuilder, TextContexts
-from saopd.contexts.text import PairedContextBatch
+from saopd.contexts.batch import PairedContextBatch
 from saopd.filters import FilterResult, TokenFilter
 from saopd.filters.distributed import batch_global_filter, world_size
 from saopd.lightning.metrics import TrainMetrics

@@ -8,14 +8,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
-from saopd.models.loading import (
-    VocabularyReport,
-    check_same_vocabulary,
-    load_causal_lm,
-    load_tokenizer,
-    prune_layers,
-)
+from saopd.models.loading import load_causal_lm, load_tokenizer
+from saopd.models.pruning import prune_layers
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
+from saopd.models.vocab import VocabularyReport, check_same_vocabulary
 from saopd.registry import Registry
 
 if TYPE_CHECKING:
@@ -66,14 +62,8 @@ def build_vlm(cfg: ModelConfig) -> tuple[PreTrainedModel, Any]:
     (:func:`~saopd.models.vlm.check_model_matches_processor`).
     Raises ``ValueError`` for a text-only config.
     """
-    from saopd.models.vlm import (
-        check_model_matches_processor,
-        load_vlm,
-        load_vlm_processor,
-        tiny_vlm,
-        tiny_vlm_processor,
-        tiny_vlm_tokenizer,
-    )
+    from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+    from saopd.models.vlm import check_model_matches_processor, load_vlm, load_vlm_processor
 
     if not cfg.is_vision:
         raise ValueError("build_vlm needs a vision-language model config (model.vision: true or "

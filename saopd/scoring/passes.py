@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from saopd.contexts.text import ContextBatch, PairedContextBatch
+from saopd.contexts.batch import ContextBatch, PairedContextBatch
 from saopd.models.sharding import is_fsdp2
 from saopd.signals import LMHead, Logits, LogitSource, TokenSignals, score_tokens
 

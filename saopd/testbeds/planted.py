@@ -57,7 +57,7 @@ from saopd.validation import check_positive
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from saopd.contexts.text import ContextBatch
+    from saopd.contexts.batch import ContextBatch
 
 __all__ = [
     "PlantedPriorLM",

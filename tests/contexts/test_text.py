@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from saopd.choices import RESIDUAL_MODES
-from saopd.contexts.text import (
+from saopd.contexts.batch import (
     Contexts,
-    build_contexts,
-    collate_contexts,
     gather_response_logprobs,
     pad_contexts,
-    residual_messages,
-    residual_start_token_id,
     response_positions,
 )
-from saopd.models.loading import (
-    SMOLLM2_DEFAULT_SYSTEM,
-    load_causal_lm,
-    prune_layers,
+from saopd.contexts.text import (
+    build_contexts,
+    collate_contexts,
+    residual_messages,
+    residual_start_token_id,
 )
+from saopd.models.loading import load_causal_lm
+from saopd.models.pruning import prune_layers
+from saopd.models.smollm2 import SMOLLM2_DEFAULT_SYSTEM
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 
 NEUTRAL = "Please answer the question."
@@ -272,7 +272,8 @@ def test_truncation(tiny_tok):
     long_row = lengths.index(max(lengths))
     with pytest.raises(ValueError, match=rf"row {long_row}: the full context has {max(lengths)}"):
         collate_contexts(tiny_tok, msgs, responses, max_length=max_length)
-    batch = collate_contexts(tiny_tok, msgs, responses, max_length=max_length, truncation="truncate")
+    batch = collate_contexts(tiny_tok, msgs, responses, max_length=max_length,
+                             truncation="truncate")
     assert long_row in batch.truncated_rows and batch.num_truncated == len(batch.truncated_rows)
     assert batch.full.input_ids.shape[1] <= max_length
     cb, ctx = batch.full, contexts[long_row]
@@ -288,7 +289,8 @@ def test_truncation(tiny_tok):
 
     longest_response = max(len(c.response_ids) for c in contexts)
     with pytest.raises(ValueError, match="responses are never truncated"):
-        collate_contexts(tiny_tok, msgs, responses, max_length=longest_response, truncation="truncate")
+        collate_contexts(tiny_tok, msgs, responses, max_length=longest_response,
+                         truncation="truncate")
 
 
 def test_errors(tiny_tok):

@@ -9,7 +9,6 @@ import torch
 
 from saopd.contexts.text import collate_contexts
 from saopd.contexts.vision import VisionInputs, collate_vision_contexts, vision_residual_messages
-from saopd.lightning.module import _slice_batch
 from saopd.prompts.vision import encode_prompt, message_images
 from saopd.scoring.passes import response_source
 from saopd.signals import LMHead
@@ -127,7 +126,7 @@ def test_micro_batch_slices_carry_their_own_images() -> None:
     with torch.no_grad():
         whole = _logits(response_source(model, batch.full))
         for rows in (slice(0, 1), slice(1, 3), slice(2, 3)):
-            part = _slice_batch(batch, rows)
+            part = batch.rows(rows)
             n_img = sum(len(message_images(m)) for m in chats()[rows])
             assert part.full.vision.num_images == n_img
             sub = _logits(response_source(model, part.full))

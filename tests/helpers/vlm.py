@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from PIL import Image
 
-from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.stages.synth_vqa import prepare_vlm
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")

@@ -22,21 +22,22 @@ import torch
 
 from saopd.io import build_folder_once
 from saopd.models.loading import (
-    SMOLLM2_CHAT_TEMPLATE,
-    SMOLLM2_DEFAULT_SYSTEM,
     HubUnavailableError,
-    _prune_indices,
-    check_same_vocabulary,
     load_causal_lm,
     load_tokenizer,
-    prune_layers,
     resolve_dtype,
     resolve_source,
+)
+from saopd.models.pruning import prune_indices, prune_layers
+from saopd.models.smollm2 import (
+    SMOLLM2_CHAT_TEMPLATE,
+    SMOLLM2_DEFAULT_SYSTEM,
     smollm2_135m_instruct,
     smollm2_gguf_path,
 )
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.tokenizers import qwen_tokenizer
+from saopd.models.vocab import check_same_vocabulary
 
 # ---------------------------------------------------------------------------------- SmolLM2
 
@@ -344,12 +345,12 @@ def test_prune_layers_equals_smaller_model_and_generates_with_cache(factory, tin
 
 
 def test_prune_every_keeps_last_layer():
-    assert _prune_indices(30, None, 3) == list(range(2, 30, 3))
-    assert len(_prune_indices(30, None, 3)) == 10
-    assert _prune_indices(5, None, 2) == [0, 2, 4]
-    assert _prune_indices(4, None, 2) == [1, 3]
-    assert _prune_indices(4, None, 1) == [0, 1, 2, 3]
-    assert _prune_indices(4, None, 4) == [3]
+    assert prune_indices(30, None, 3) == list(range(2, 30, 3))
+    assert len(prune_indices(30, None, 3)) == 10
+    assert prune_indices(5, None, 2) == [0, 2, 4]
+    assert prune_indices(4, None, 2) == [1, 3]
+    assert prune_indices(4, None, 1) == [0, 1, 2, 3]
+    assert prune_indices(4, None, 4) == [3]
 
 
 def test_prune_layers_validation(tiny_tok):

@@ -11,15 +11,13 @@ import pytest
 from saopd.config.model import ModelConfig
 from saopd.models.factory import build_model, build_vlm
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
+from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.models.vlm import (
     QWEN_VL_CHAT_TEMPLATE,
     check_model_matches_processor,
     check_same_processor,
     load_vlm,
     load_vlm_processor,
-    tiny_vlm,
-    tiny_vlm_processor,
-    tiny_vlm_tokenizer,
 )
 from tests.helpers.vlm import tiny_pair
 

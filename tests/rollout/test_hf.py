@@ -452,7 +452,8 @@ def test_load_weights(tok):
 
 @pytest.mark.slow
 def test_smollm2_sampling_and_logprobs():
-    from saopd.models.loading import load_causal_lm, load_tokenizer, smollm2_135m_instruct
+    from saopd.models.loading import load_causal_lm, load_tokenizer
+    from saopd.models.smollm2 import smollm2_135m_instruct
 
     folder = smollm2_135m_instruct()
     model, smol_tok = load_causal_lm(folder), load_tokenizer(folder)

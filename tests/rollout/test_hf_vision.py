@@ -63,7 +63,7 @@ def test_truncation_never_cuts_an_image_and_bad_processors_are_refused() -> None
     skip = HFGenerateEngine(model, proc.tokenizer, processor=proc, max_prompt_length=n - 8,
                             prompt_truncation="skip")
     assert skip.generate(chats()[:1], SamplingParams(max_new_tokens=2)).num_skipped_prompts == 1
-    from saopd.models.vlm import tiny_vlm_tokenizer
+    from saopd.models.tiny_vlm import tiny_vlm_tokenizer
 
     with pytest.raises(ValueError, match=r"the processor's tokenizer must be the engine's"):
         HFGenerateEngine(model, tiny_vlm_tokenizer(), processor=proc)

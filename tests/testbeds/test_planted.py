@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from saopd.config.model import ModelConfig, PlantedConfig
-from saopd.contexts.text import collate_contexts, gather_response_logprobs
+from saopd.contexts.batch import gather_response_logprobs
+from saopd.contexts.text import collate_contexts
 from saopd.models.factory import build_model
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.scoring.passes import ScoringNeeds, response_source, score_frozen, score_student
@@ -106,7 +107,7 @@ def test_chunked_scoring_equals_plain_forward_with_the_bias(base, tok):
 
 
 def test_head_rows_can_be_sliced_like_a_plain_head(base, tok):
-    """Micro-batching slices the teacher head's hidden rows only (module._slice_frozen); the
+    """Micro-batching slices the teacher head's hidden rows only (FrozenScores.rows); the
     per-row bias must follow the row, not the slice index."""
     model = planted(base, tok)
     batch = batch_for(tok, responses(tok))

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 import lightning as L
 import torch
 
-from saopd.models.vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.rollout.vllm import VLLMEngine
