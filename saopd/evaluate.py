@@ -1,13 +1,17 @@
-"""``saopd-eval``: Avg@k of a model on math benchmarks, logged to MLflow.
+"""``saopd-eval``: Avg@k of a model on registered benchmarks, logged to MLflow.
 
     saopd-eval model=smollm2_135m_instruct benchmarks=[gsm8k] limit=50 k=1
     saopd-eval checkpoint=outputs/smollm2_gsm8k/<run>/checkpoints/last.ckpt     # a trained student
     saopd-eval run_id=<mlflow run id>      # the run's last checkpoint; results go into that run
-    saopd-eval model.name_or_path=Qwen/Qwen3-1.7B trainer_device=cuda            # any hub model
+    saopd-eval model.name_or_path=Qwen/Qwen3-1.7B device=cuda rollout=vllm      # any hub model
     saopd-eval model=tiny_qwen3_5_vl benchmarks=[synth_vqa] k=1 limit=8          # a VLM
 
-Sampling follows the paper (temperature 1.0, top-p 0.95, per-benchmark max new tokens); the
-default benchmarks need ``dvc repro prepare_eval`` (``gsm8k`` reads the vendored test split).
+Each benchmark is a record of :data:`saopd.eval.benchmarks.BENCHMARKS` (its file, grader, the
+paper's k and max new tokens); ``k``, ``k_per_benchmark`` and ``max_new_tokens`` override the
+records. Sampling follows the paper (temperature 1.0, top-p 0.95) through the rollout engine the
+``rollout`` group picks (``hf``, transformers ``generate``, by default; ``vllm``), built by
+:func:`saopd.rollout.registry.build_engine` as in training. The math benchmarks need ``dvc repro
+prepare_eval`` (``gsm8k`` reads the vendored test split).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import torch
@@ -29,8 +33,13 @@ from saopd.config.eval import EvalConfig
 from saopd.config.model import ModelConfig
 from saopd.paths import conf_dir, register_resolvers, repo_root
 
+if TYPE_CHECKING:
+    from saopd.rollout.base import SamplingParams
+
 log = logging.getLogger("saopd.eval")
 CONF_DIR = str(conf_dir())
+
+
 def load_judge(spec: str | None) -> Any:
     """The callable named by ``"package.module:attribute"`` (``mmifeval_judge``), None for None.
 
@@ -90,14 +99,37 @@ def _load_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, Any, in
     return model.eval(), tokenizer, processor, int(state.get("global_step", 0))
 
 
+def benchmark_sampling(conf: EvalConfig, name: str) -> SamplingParams:
+    """How benchmark ``name`` is sampled: k and max new tokens from its record
+    (:data:`saopd.eval.benchmarks.BENCHMARKS`) unless ``conf`` overrides them (k:
+    ``k_per_benchmark[name]``, else ``k``; ``max_new_tokens[name]``), temperature, top-p and
+    seed from ``conf``. Raises ``ValueError`` for an unknown name (listing the registered ones).
+    """
+    from saopd.eval.benchmarks import BENCHMARKS
+    from saopd.rollout.base import SamplingParams
+
+    record = BENCHMARKS.get(name)
+    k = conf.k_per_benchmark.get(name, record.k if conf.k is None else conf.k)
+    return SamplingParams(n=k, temperature=conf.temperature, top_p=conf.top_p,
+                          max_new_tokens=conf.max_new_tokens.get(name, record.max_new_tokens),
+                          seed=conf.seed)
+
+
 def run_eval(cfg: DictConfig) -> dict[str, Any]:
-    """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files."""
+    """Evaluate; returns {benchmark: score, ...} plus paths. Writes per-sample JSONL files.
+
+    Unknown benchmark names (in ``benchmarks`` or an override) fail before the model is built.
+    """
+    from tqdm.auto import tqdm
+
+    from saopd.eval.benchmarks import BENCHMARKS
     from saopd.eval.runner import evaluate_benchmark, load_benchmark
     from saopd.io import write_jsonl_atomic
-    from saopd.rollout.base import SamplingParams
-    from saopd.rollout.hf import HFGenerateEngine
+    from saopd.rollout.registry import build_engine
 
     conf: EvalConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    for name in (*conf.benchmarks, *conf.k_per_benchmark, *conf.max_new_tokens):
+        BENCHMARKS.get(name)
     out_dir = Path(conf.output_dir)
     step = 0
     tracking_uri = conf.tracking_uri
@@ -112,35 +144,38 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         model, tokenizer, processor, step = _load_student(ckpt, conf.model)
     else:
         model, tokenizer, processor = _build(conf.model)
-    model.to(conf.device)
-    engine = HFGenerateEngine(model, tokenizer, batch_size=conf.batch_size)
-    if processor is not None:  # a vision-language model: prompts may hold images
-        engine.set_processor(processor, chat_template_kwargs=conf.chat_template_kwargs)
-
     judge = load_judge(conf.mmifeval_judge)
+    model.to(conf.device)
+    engine = build_engine(conf.rollout, model, tokenizer, seed=conf.seed,
+                          chat_template_kwargs=conf.chat_template_kwargs, processor=processor)
     results: dict[str, Any] = {}
-    for name in conf.benchmarks:
-        problems = load_benchmark(name, conf.data_dir, limit=conf.limit)
-        k = conf.k_per_benchmark.get(name, conf.k)
-        sampling = SamplingParams(n=k, temperature=conf.temperature, top_p=conf.top_p,
-                                  max_new_tokens=conf.max_new_tokens.get(
-                                      name, conf.default_max_new_tokens), seed=conf.seed)
-        started = time.perf_counter()
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(problems), desc=f"{name} avg@{k}", unit="problem") as bar:
-            res = evaluate_benchmark(name, problems, engine, tokenizer, sampling,
-                                     batch_size=conf.batch_size,
-                                     grade_workers=conf.grade_workers, progress=bar.update,
-                                     judge=judge)
-        path = out_dir / f"{name}.jsonl"
-        write_jsonl_atomic(path, res.samples)
-        results[name] = {"score": res.score, "k": k, "problems": res.problems,
-                         "unfinished": res.unfinished, "samples_file": str(path),
-                         "ungraded": res.ungraded,
-                         "ungraded_constraints": res.ungraded_constraints,
-                         "seconds": round(time.perf_counter() - started, 1)}
-        log.info("%s: avg@%d = %.4f over %d problems", name, k, res.score, res.problems)
+    try:
+        for name in conf.benchmarks:
+            if BENCHMARKS.get(name).modality == "vision" and processor is None:
+                raise ValueError(f"benchmark {name!r} has images: evaluate a vision-language "
+                                 "model (a model config with a processor)")
+            problems = load_benchmark(name, conf.data_dir, limit=conf.limit)
+            sampling = benchmark_sampling(conf, name)
+            started = time.perf_counter()
+            with tqdm(total=len(problems), desc=f"{name} avg@{sampling.n}",
+                      unit="problem") as bar:
+                res = evaluate_benchmark(name, problems, engine, tokenizer, sampling,
+                                         batch_size=conf.batch_size,
+                                         grade_workers=conf.grade_workers,
+                                         progress=bar.update, judge=judge)
+            path = out_dir / f"{name}.jsonl"
+            write_jsonl_atomic(path, res.samples)
+            results[name] = {"score": res.score, "k": res.k, "problems": res.problems,
+                             "max_new_tokens": sampling.max_new_tokens,
+                             "unfinished": res.unfinished, "samples_file": str(path),
+                             "ungraded": res.ungraded,
+                             "ungraded_constraints": res.ungraded_constraints,
+                             "seconds": round(time.perf_counter() - started, 1)}
+            log.info("%s: avg@%d = %.4f over %d problems", name, res.k, res.score, res.problems)
+    finally:
+        close = getattr(engine, "close", None)  # engines with their own copy (vLLM) free it
+        if callable(close):
+            close()
     average = sum(r["score"] for r in results.values()) / max(1, len(results))
     summary = {"benchmarks": results, "average": average, "step": step,
                "checkpoint": str(ckpt) if ckpt else None, "output_dir": str(out_dir)}
@@ -152,17 +187,23 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
 
 def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
                 tracking_uri: str | None) -> str:
+    """Log scores and files into ``conf.run_id``, or a new run of ``conf.experiment_name``
+    (created if missing; in a local SQLite store with its artifacts beside the store file)."""
     import mlflow
 
-    from saopd.tracking import default_tracking_uri
+    from saopd.tracking import default_tracking_uri, local_artifact_location, store_lock
 
     uri = tracking_uri or default_tracking_uri(repo_root())
     client = mlflow.MlflowClient(uri)
     run_id = conf.run_id
     if run_id is None:
-        exp = client.get_experiment_by_name(conf.experiment_name)
-        exp_id = exp.experiment_id if exp else client.create_experiment(conf.experiment_name)
-        run_id = client.create_run(exp_id, run_name=f"eval-{'-'.join(conf.benchmarks)}").info.run_id
+        name = conf.experiment_name
+        with store_lock(uri):
+            exp = client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp else client.create_experiment(
+                name, artifact_location=local_artifact_location(uri, name))
+            run_id = client.create_run(exp_id, run_name=f"eval-{'-'.join(conf.benchmarks)}"
+                                       ).info.run_id
     step = summary["step"]
     for name, res in summary["benchmarks"].items():
         client.log_metric(run_id, f"eval/{name}/avg_at_{res['k']}", res["score"], step=step)

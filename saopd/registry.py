@@ -3,6 +3,8 @@
 Config files name a variant (``filter: sa_opd``); the registry maps that name to the class whose
 dataclass fields are its hyperparameters. A miss lists the valid names, and unknown keyword
 arguments are reported by name, so a typo in a config never fails deep inside a constructor.
+Families described by records rather than classes (the benchmarks of :mod:`saopd.eval`) register
+the record itself with :meth:`Registry.add`; ``get`` then returns that record.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ class Registry(Generic[T]):
             return cls
 
         return decorator
+
+    def add(self, name: str, obj: Any) -> None:
+        """Register ``obj`` itself (a record, not a class) under ``name``; ``get`` returns it.
+
+        Raises ``ValueError`` when ``name`` is already registered."""
+        if name in self._classes:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._classes[name] = obj
 
     def get(self, name: str) -> type[T]:
         try:

@@ -48,6 +48,7 @@ __all__ = [
     "default_tracking_uri",
     "flatten_params",
     "last_logged_step",
+    "local_artifact_location",
     "log_params",
     "log_resolved_config",
     "log_text_artifact",
@@ -95,6 +96,24 @@ def _sqlite_path(uri: str) -> Path | None:
         return None
     rest = uri[len(_SQLITE_PREFIX):].split("?", 1)[0]
     return Path(rest) if rest and rest != ":memory:" else None
+
+
+def local_artifact_location(uri: str, experiment_name: str) -> str | None:
+    """Where a new experiment of a local SQLite store keeps its artifacts, or None elsewhere.
+
+    ``file:`` URI of ``<store folder>/mlartifacts/<experiment>`` (the name made file-safe), so
+    artifacts sit beside the database whatever the working directory (MLflow's own default for
+    a SQLite store is ``./mlartifacts`` of the current directory). Pass it as the
+    ``artifact_location`` of the experiment's creation. Creates the store's folder (MLflow
+    creates the database file, not its folder); None for other stores (servers keep theirs).
+    """
+    db = _sqlite_path(uri)
+    if db is None:
+        return None
+    folder = db.expanduser().resolve().parent
+    folder.mkdir(parents=True, exist_ok=True)
+    safe = re.sub(r"[^\w.\-]+", "_", experiment_name).strip("._") or "experiment"
+    return (folder / "mlartifacts" / safe).as_uri()
 
 
 class ResumableMLFlowLogger(MLFlowLogger):
@@ -171,14 +190,8 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
             f"tracking URI {uri!r} is an MLflow file store, which current MLflow refuses; use a "
             f"database store such as {default_tracking_uri(root)!r} (the default) or a server URL"
         )
-    artifact_location = None
-    db = _sqlite_path(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
-        safe = re.sub(r"[^\w.\-]+", "_", experiment_name).strip("._") or "experiment"
-        # beside the store, whatever the working directory (MLflow's own default for a SQLite
-        # store is ./mlartifacts of the current directory)
-        artifact_location = (db.expanduser().resolve().parent / "mlartifacts" / safe).as_uri()
+    artifact_location = local_artifact_location(uri, experiment_name)
+
     def build() -> ResumableMLFlowLogger:
         return ResumableMLFlowLogger(
             experiment_name=experiment_name, run_name=run_name, tracking_uri=uri,

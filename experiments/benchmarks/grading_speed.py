@@ -25,7 +25,8 @@ import re
 import time
 from pathlib import Path
 
-from saopd.eval.math import extract_answer, grade_many_detailed, normalize_answer
+from saopd.eval.grading import grade_many_detailed
+from saopd.eval.math import extract_answer, normalize_answer
 
 DATA = Path(os.environ.get("SAOPD_SHARED_DATA", "/work/shared/data"))
 MATH500 = DATA / "hkust-nlp/simpleRL-reason/examples/simplelr_math_eval/data/math500/test.jsonl"

@@ -287,7 +287,7 @@ def emission_stats(student: Any, teacher: Any, tok: Any, args: argparse.Namespac
     """Template mass on the fixed contexts; then one sampled response per fixed problem:
     template-token rate, prompt-copy rate and accuracy."""
     from saopd.contexts.text import collate_contexts
-    from saopd.eval.math import grade_many
+    from saopd.eval.grading import grade_many
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
 

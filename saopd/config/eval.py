@@ -8,7 +8,8 @@ from typing import Any
 from omegaconf import MISSING
 
 from saopd.config.model import ModelConfig
-from saopd.validation import check_int
+from saopd.config.rollout import RolloutConfig
+from saopd.validation import check_fraction, check_int, check_positive
 
 __all__ = ["EvalConfig", "EvalDuringTrainingConfig"]
 
@@ -19,9 +20,12 @@ class EvalDuringTrainingConfig:
 
     Attributes:
         every_n_steps: 0 = never.
-        benchmarks: gsm8k (vendored test split) and/or prepared benchmarks in ``data_dir``.
+        benchmarks: registered benchmark names (``saopd.eval.benchmarks.BENCHMARKS``; gsm8k
+            reads the vendored test split).
         limit: problems per benchmark (a fixed subset: the first ``limit``).
-        k, temperature, top_p, max_new_tokens: sampling per problem (Avg@k).
+        k, temperature, top_p, max_new_tokens: sampling per problem (Avg@k), the same for every
+            benchmark: a quick check of the live student, not the records' paper settings
+            (``saopd-eval`` on a checkpoint uses those).
         data_dir: where ``dvc repro prepare_eval`` writes the prepared benchmarks.
     """
 
@@ -42,50 +46,70 @@ class EvalDuringTrainingConfig:
         check_int("max_new_tokens", self.max_new_tokens, owner="eval")
 
 
-DEFAULT_MAX_NEW_TOKENS = {"math500": 18000, "aime24": 18000, "aime25": 18000, "amc23": 18000,
-                          "minerva_math": 18000, "gsm8k": 1024,
-                          # VLM benchmarks (paper, Appendix B): 1,024 new tokens for visual
-                          # understanding, 4,096 for visual reasoning
-                          "synth_vqa": 1024, "evochart": 1024, "mmifeval": 1024, "countqa": 1024,
-                          "mathvision": 4096, "geo3k": 4096, "mathvista": 4096}
+#: Sampling fields of a rollout config that ``saopd-eval`` takes from its own keys instead.
+_EVAL_SAMPLING = {"n": "k", "temperature": "temperature", "top_p": "top_p",
+                  "max_new_tokens": "max_new_tokens"}
 
 
 @dataclass
 class EvalConfig:
     """``saopd-eval``'s config (``conf/eval.yaml``).
 
+    Each benchmark's own settings (the paper's k, max new tokens, its file and grader) are its
+    record in :data:`saopd.eval.benchmarks.BENCHMARKS`; the keys here override them.
+
     Attributes:
         model: the model to evaluate (hub id, path, tiny); ignored when ``checkpoint`` or
             ``run_id`` names a training run, whose student config is used instead.
+        rollout: the engine that samples (``conf/rollout/<engine>.yaml``: ``rollout=hf``, the
+            default, or ``rollout=vllm``), typed by the engine's dataclass
+            (:mod:`saopd.config.rollout`). Only its engine options apply (``batch_size``,
+            ``greedy``, vLLM's); sampling is set here, so its ``n``, ``temperature``, ``top_p``
+            and ``max_new_tokens`` must stay at their defaults.
         checkpoint: a saopd training checkpoint; its student weights are evaluated.
         run_id: an MLflow training run: its last checkpoint is evaluated and the results are
             logged into that run.
-        benchmarks: names (gsm8k, math500, aime24, aime25, amc23, minerva_math).
-        k: samples per problem (Avg@k); ``k_per_benchmark`` overrides it per benchmark.
+        benchmarks: registered benchmark names (``saopd.eval.benchmarks.BENCHMARKS``: gsm8k,
+            math500, aime24, aime25, amc23, minerva_math, synth_vqa, evochart, mmifeval,
+            countqa, mathvision, geo3k, mathvista).
+        data_dir: where ``dvc repro prepare_eval`` writes the math benchmarks; the records'
+            files are relative to it.
+        k: samples per problem (Avg@k) for every benchmark; null: each benchmark's paper k
+            (Avg@8; accuracy, k = 1, for MATH500).
+        k_per_benchmark: k of single benchmarks, over ``k`` and the records
+            (``+k_per_benchmark.aime24=16``).
         temperature, top_p: sampling (the paper: 1.0, 0.95).
-        max_new_tokens: per benchmark; unnamed benchmarks use ``default_max_new_tokens``.
+        max_new_tokens: response length limit of single benchmarks, over the records' (the
+            paper's: 18,000 for math, 1,024 for GSM8K and visual understanding, 4,096 for visual
+            reasoning); ``+max_new_tokens.gsm8k=256`` (the ``+`` adds a key to the empty map).
         limit: evaluate only the first ``limit`` problems of each benchmark.
         batch_size: problems per ``generate`` call.
-        grade_workers: processes grading answers (None = one per core).
+        grade_workers: processes grading answers (None = one per core, 0 = in this process).
+        seed: sampling seed (each batch of problems draws with ``seed + its first index``).
         device: where the model runs (cpu | cuda).
-        chat_template_kwargs: extra chat-template variables for vision-language models
-            (``{enable_thinking: false}``: Qwen3.5's non-thinking mode).
+        output_dir: per-sample JSONL files and ``results.json``.
+        tracking_uri: MLflow store (null: ``sqlite:///<repo>/mlflow.db``); a local SQLite
+            store keeps the artifacts of experiments created here beside its file.
+        experiment_name: the MLflow experiment of a new run (``run_id`` null).
+        log_to_mlflow: log scores and files to MLflow.
+        chat_template_kwargs: extra chat-template variables (``{enable_thinking: false}``:
+            Qwen3 / Qwen3.5's non-thinking mode), for text and vision-language models.
         mmifeval_judge: ``"module:callable"`` of an LLM judge for MM-IFEval's judge-only
             constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`); null: those are reported as
             ungraded and left out of the score.
     """
 
     model: ModelConfig = MISSING  # conf/model/<name>.yaml (the defaults list: model@model)
+    rollout: Any = MISSING  # one of the RolloutConfig subclasses (conf/rollout/<engine>.yaml)
     checkpoint: str | None = None
     run_id: str | None = None
     benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])
     data_dir: str = MISSING
-    k: int = 8
+    k: int | None = None
     k_per_benchmark: dict[str, int] = field(default_factory=dict)
     temperature: float = 1.0
     top_p: float = 0.95
-    max_new_tokens: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_MAX_NEW_TOKENS))
-    default_max_new_tokens: int = 4096
+    max_new_tokens: dict[str, int] = field(default_factory=dict)
     limit: int | None = None
     batch_size: int = 8
     grade_workers: int | None = None
@@ -97,3 +121,25 @@ class EvalConfig:
     log_to_mlflow: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     mmifeval_judge: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rollout, RolloutConfig):
+            raise ValueError("rollout must be one engine's config (conf/rollout/<engine>.yaml), "
+                             f"got {type(self.rollout).__name__}")
+        defaults = type(self.rollout)()
+        for key, ours in _EVAL_SAMPLING.items():
+            if getattr(self.rollout, key) != getattr(defaults, key):
+                raise ValueError(f"rollout.{key} is not used by saopd-eval: set {ours} instead")
+        if not self.benchmarks:
+            raise ValueError("benchmarks must name at least one benchmark")
+        check_int("k", self.k, allow_none=True)
+        for key, mapping in (("k_per_benchmark", self.k_per_benchmark),
+                             ("max_new_tokens", self.max_new_tokens)):
+            for name, value in mapping.items():
+                check_int(f"{key}.{name}", value)
+        check_positive("temperature", self.temperature)
+        check_fraction("top_p", self.top_p)
+        check_int("limit", self.limit, allow_none=True)
+        check_int("batch_size", self.batch_size)
+        check_int("grade_workers", self.grade_workers, minimum=0, allow_none=True)
+        check_int("seed", self.seed, minimum=0)

@@ -1,8 +1,10 @@
-"""Answer extraction and grading for math benchmarks (MATH500, AIME, AMC, MinervaMATH, GSM8K).
+"""Answer extraction and equality for math benchmarks (MATH500, AIME, AMC, MinervaMATH, GSM8K).
 
-``extract_answer`` pulls the final answer out of a model response; ``grade`` decides whether it
-matches a gold answer, with `math-verify <https://github.com/huggingface/Math-Verify>`_ (``parse``
-+ ``verify``) behind a normalisation layer; ``grade_many`` grades many pairs in worker processes.
+``extract_answer`` pulls the final answer out of a model response; ``prepare_gold`` classifies
+and parses a gold answer once; ``answer_matches`` decides whether an extracted answer equals it,
+with `math-verify <https://github.com/huggingface/Math-Verify>`_ (``parse`` + ``verify``) behind
+a normalisation layer. Grading a response under a time limit, one or many in worker processes,
+is :mod:`saopd.eval.grading` (``grade``, ``grade_many``).
 
 Normalisation decisions (applied to both the gold and the extracted answer):
 
@@ -27,62 +29,38 @@ Normalisation decisions (applied to both the gold and the extracted answer):
   ``1\\frac45`` are 9/5, and a base subscript is dropped by math-verify (``52_8`` matches ``52``).
 * Minerva-style golds: ``np.arcsin(...)`` is read as ``\\arcsin(...)``; ``-1./3`` as ``-1/3``.
 
-Time limits: math-verify's own timeouts use ``signal.alarm`` and fail outside the main thread, so
-they are always switched off here (``parsing_timeout=None``, ``timeout_seconds=None``) and one
-deadline of ``timeout_s`` covers the whole grading of a response instead:
-
-* in the main thread, a ``SIGALRM`` interval timer (any timer the caller had is re-armed after);
-* in other threads, a per-thread profile hook (``sys.setprofile``) that raises once the deadline
-  has passed, at the next Python or C function call. It slows grading in that thread about 2x and
-  is skipped when a profiler is already installed in the thread (then there is no time limit).
-
-If the timeout lands where Python discards exceptions (a ``__del__`` run by the garbage
-collector), it is raised again every 0.25 s until it sticks. Neither mechanism can interrupt one
-long C-level operation (SymPy computing ``10^{10^{10}}`` holds the GIL for minutes), so answers
-that would make SymPy build astronomically large integers (numeric exponents of 10^7 or more,
-numeric power towers that big, factorials of 10^6 or more) are graded wrong unparsed, and
-``grade_many`` kills a worker process that has made no progress for ``2 * timeout_s + 1``
-seconds, counts the response it was grading as timed out, and carries on with a fresh worker
-(likewise if a worker dies). A response that times out is graded wrong and counted
-(``GradeResult.timed_out``).
+math-verify's own timeouts use ``signal.alarm`` and fail outside the main thread, so they are
+always switched off here (``parsing_timeout=None``, ``timeout_seconds=None``): the caller bounds
+the time (:mod:`saopd.eval.grading` puts one deadline around the whole grading of a response).
+Answers that would make SymPy build astronomically large integers (numeric exponents of 10^7 or
+more, numeric power towers that big, factorials of 10^6 or more) are unequal unparsed, since no
+deadline can interrupt that C-level work.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing as mp
-import os
 import re
-import signal
-import sys
-import threading
-import time
-from collections import deque
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
 from math import log2
-from multiprocessing.connection import Connection, wait
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from math_verify import parse, verify
 
 from saopd.latex import match_brace
 
 __all__ = [
+    "MAX_ANSWER_CHARS",
+    "MAX_RESPONSE_CHARS",
     "GoldAnswerError",
-    "GradeResult",
+    "PreparedGold",
+    "answer_matches",
     "extract_answer",
-    "grade",
-    "grade_detailed",
-    "grade_many",
-    "grade_many_detailed",
     "normalize_answer",
+    "prepare_gold",
 ]
-
-logger = logging.getLogger(__name__)
 
 MAX_RESPONSE_CHARS = 100_000
 """Only the last this many characters of a response are searched for its answer."""
@@ -93,24 +71,6 @@ _MAX_SCI_EXPONENT = 1_000  # plain numbers like 1e5000 are left to the (guarded)
 
 class GoldAnswerError(ValueError):
     """A gold answer that cannot be parsed at all: a dataset bug, not a model error."""
-
-
-class GradeResult(NamedTuple):
-    """The outcome of grading one response.
-
-    Attributes:
-        correct: whether the extracted answer matches the gold.
-        answer: the extracted answer (``None`` if the response has none).
-        timed_out: grading ran out of time (then ``correct`` is False).
-    """
-
-    correct: bool
-    answer: str | None
-    timed_out: bool = False
-
-
-class _Timeout(BaseException):
-    """Raised inside grading when its deadline passes (BaseException: nothing swallows it)."""
 
 
 class _DropMathVerifyTimeoutWarning(logging.Filter):
@@ -417,8 +377,13 @@ def _is_explosive(s: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Gold:
-    """A prepared gold answer."""
+class PreparedGold:
+    """A gold answer classified and normalised once (:func:`prepare_gold`).
+
+    ``kind``: how answers are compared with it: ``choice`` (option letter ``letter``),
+    ``text`` (case-insensitive words), ``number`` (exact rational ``value``, else
+    math-verify) or ``math`` (math-verify).
+    """
 
     raw: str
     norm: str
@@ -445,7 +410,7 @@ def _gold_text(gold: object) -> str:
 
 
 @lru_cache(maxsize=16_384)
-def _prepare_gold(gold: str) -> _Gold:
+def _prepare_gold_text(gold: str) -> PreparedGold:
     """Classifies and (for math golds) parses a gold answer; raises GoldAnswerError if hopeless."""
     text = gold
     if "\\boxed" in text or "\\fbox" in text or "####" in text:
@@ -458,15 +423,15 @@ def _prepare_gold(gold: str) -> _Gold:
         choice = _BARE_CHOICE_RE.fullmatch(norm)
     if choice is not None:
         letter = next(g for g in choice.groups() if g).upper()
-        return _Gold(gold, norm, "choice", letter=letter)
+        return PreparedGold(gold, norm, "choice", letter=letter)
     if (wrapped and _WRAPPED_WORDS_RE.fullmatch(norm)) or _WORDS_RE.fullmatch(norm):
-        return _Gold(gold, _text_key(norm), "text")
+        return PreparedGold(gold, _text_key(norm), "text")
     value = _as_number(norm)
     if value is not None:
-        return _Gold(gold, norm, "number", value=value)
+        return PreparedGold(gold, norm, "number", value=value)
     if all(isinstance(x, str) for x in _mv_parse(_to_latex(norm))):  # [] or a bare-string fallback
         raise GoldAnswerError(f"math-verify cannot parse gold answer {gold!r}")
-    return _Gold(gold, norm, "math")
+    return PreparedGold(gold, norm, "math")
 
 
 def _math_verify_equal(gold_norm: str, pred_norm: str) -> bool:
@@ -480,8 +445,12 @@ def _math_verify_equal(gold_norm: str, pred_norm: str) -> bool:
     return bool(verify(list(gold_parsed), list(pred_parsed), timeout_seconds=None))
 
 
-def _equal(gold: _Gold, answer: str) -> bool:
-    """Whether an extracted answer matches a prepared gold (no time limit of its own)."""
+def answer_matches(gold: PreparedGold, answer: str) -> bool:
+    """Whether an extracted answer (:func:`extract_answer`) equals a prepared gold.
+
+    No time limit of its own: math-verify may take long on odd answers, so callers that
+    need a bound run it under a deadline (:func:`saopd.eval.grading.grade_detailed`).
+    """
     pred = normalize_answer(answer)
     if not pred:
         return False
@@ -501,326 +470,12 @@ def _equal(gold: _Gold, answer: str) -> bool:
     return _math_verify_equal(gold.norm, pred)
 
 
-# --------------------------------------------------------------------------------------------
-# Deadlines
-# --------------------------------------------------------------------------------------------
+def prepare_gold(gold: object) -> PreparedGold:
+    """A gold answer ready for :func:`answer_matches` (cached per gold string).
 
-
-_RETRY_S = 0.25
-"""A timeout raised where Python discards it (in a finaliser) is raised again this much later."""
-_NEVER = float("inf")
-
-
-def _raise_timeout(*_: object) -> None:
-    raise _Timeout()
-
-
-@contextlib.contextmanager
-def _alarm_deadline(seconds: float) -> Iterator[None]:
-    """Main thread: SIGALRM interval timer; an outer timer and handler are restored after."""
-    start = time.monotonic()
-    old_handler = signal.signal(signal.SIGALRM, _raise_timeout)
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds, _RETRY_S)
-    try:
-        yield
-    finally:
-        try:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:  # even if the timer fired just now
-            signal.signal(signal.SIGALRM, old_handler)
-            if old_delay > 0:  # re-arm the caller's timer with what is left of it
-                left = max(old_delay - (time.monotonic() - start), 1e-3)
-                signal.setitimer(signal.ITIMER_REAL, left, old_interval)
-
-
-@contextlib.contextmanager
-def _profile_deadline(seconds: float) -> Iterator[None]:
-    """Any thread: a profile hook that raises at the first function call after the deadline."""
-    if sys.getprofile() is not None:  # a profiler owns the hook: no limit rather than break it
-        yield
-        return
-    clock = time.monotonic
-    next_raise = [clock() + seconds]  # a list: disarming it must not be a call (see finally)
-
-    def hook(frame: object, event: str, arg: object) -> None:
-        if clock() > next_raise[0]:
-            next_raise[0] = clock() + _RETRY_S
-            raise _Timeout()
-
-    sys.setprofile(hook)
-    try:
-        yield
-    finally:
-        next_raise[0] = _NEVER
-        sys.setprofile(None)
-
-
-def _deadline(seconds: float | None) -> contextlib.AbstractContextManager[None]:
-    if seconds is None or seconds <= 0:
-        return contextlib.nullcontext()
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer"):
-        return _alarm_deadline(seconds)
-    return _profile_deadline(seconds)
-
-
-# --------------------------------------------------------------------------------------------
-# Public grading API
-# --------------------------------------------------------------------------------------------
-
-
-def grade_detailed(response: str | None, gold: object, *, timeout_s: float | None = 5.0
-                   ) -> GradeResult:
-    """Grades one response and says what was extracted and whether time ran out.
-
-    Args:
-        response: the model's full response (anything that is not a string grades wrong).
-        gold: the gold answer: a LaTeX string, a full solution ending in ``\\boxed{...}`` or
-            GSM8K's ``#### 72``, an int, or an integer-valued float (AMC's ``27.0``).
-        timeout_s: wall-clock limit for the whole grading (gold parsing included); ``None`` or
-            ``<= 0`` for none. Works in any thread (see the module docstring).
-
-    Raises:
-        GoldAnswerError (a ValueError): the gold cannot be parsed at all (a dataset bug).
+    ``gold``: a LaTeX string, a full solution ending in ``\\boxed{...}`` or GSM8K's ``#### 72``,
+    an int, or an integer-valued float (AMC's ``27.0``). Raises :class:`GoldAnswerError` (a
+    ``ValueError`` naming the gold) when it cannot be parsed at all.
     """
-    gold_str = _gold_text(gold)
-    answer: str | None = None
-    try:
-        with _deadline(timeout_s):
-            prepared = _prepare_gold(gold_str)
-            answer = extract_answer(response)
-            if answer is None or len(answer) > MAX_ANSWER_CHARS:
-                return GradeResult(False, answer)
-            return GradeResult(_equal(prepared, answer), answer)
-    except _Timeout:
-        return GradeResult(False, answer, timed_out=True)
-    except GoldAnswerError:
-        raise
-    except Exception:  # a bug in a parser must not stop an evaluation: the answer is wrong
-        logger.debug("grading failed for answer %r", answer, exc_info=True)
-        return GradeResult(False, answer)
+    return _prepare_gold_text(_gold_text(gold))
 
-
-def grade(response: str | None, gold: object, *, timeout_s: float | None = 5.0) -> bool:
-    """Whether ``response``'s final answer equals ``gold`` (see :func:`grade_detailed`).
-
-    Returns a plain bool; never raises on odd responses (empty, non-string, huge). A response that
-    runs out of time is graded wrong. Raises ``GoldAnswerError`` (a ``ValueError`` naming the gold)
-    when the gold cannot be parsed at all.
-    """
-    return grade_detailed(response, gold, timeout_s=timeout_s).correct
-
-
-# --------------------------------------------------------------------------------------------
-# Process pool
-# --------------------------------------------------------------------------------------------
-
-
-def _worker_main(conn: Connection, timeout_s: float | None) -> None:
-    """Worker process: grades chunks in its main thread (alarm deadlines), a reply per response."""
-    with contextlib.suppress(ValueError):  # not the main thread (e.g. embedded): nothing to do
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    conn.send(("ready",))
-    while True:
-        try:
-            chunk = conn.recv()
-        except EOFError:
-            return
-        if chunk is None:
-            return
-        for idx, response, gold in chunk:
-            try:
-                res = grade_detailed(response, gold, timeout_s=timeout_s)
-                conn.send(("ok", idx, tuple(res)))
-            except GoldAnswerError as exc:
-                conn.send(("gold", idx, str(exc)))
-
-
-def _default_context() -> mp.context.BaseContext:
-    methods = mp.get_all_start_methods()
-    if "forkserver" in methods:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
-        return ctx
-    return mp.get_context("spawn")
-
-
-class _Worker:
-    """One worker process, its pipe, and the indices it still owes."""
-
-    def __init__(self, ctx: mp.context.BaseContext, timeout_s: float | None) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, timeout_s), daemon=True)
-        self.proc.start()
-        child.close()
-        self.ready = False
-        self.dead = False
-        self.pending: deque[int] = deque()
-        self.started = time.monotonic()
-        self.last_progress = self.started
-
-    def stop(self, *, kill: bool = False) -> None:
-        if not kill:
-            with contextlib.suppress(OSError, ValueError):
-                self.conn.send(None)
-            self.proc.join(timeout=2.0)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=2.0)
-        self.conn.close()
-
-
-def grade_many_detailed(
-    pairs: Iterable[tuple[str | None, object]],
-    *,
-    workers: int | None = None,
-    timeout_s: float | None = 5.0,
-    chunk_size: int | None = None,
-    mp_context: str | None = None,
-    startup_timeout_s: float = 120.0,
-) -> list[GradeResult]:
-    """Grades ``(response, gold)`` pairs in worker processes; results in input order.
-
-    Args:
-        pairs: ``(response, gold)`` pairs, as for :func:`grade_detailed`.
-        workers: number of processes (default: CPU count, at most one per chunk); ``0`` grades in
-            this process instead (alarm/profile deadlines only, no kill of stuck C code).
-        timeout_s: per-response limit, enforced by SIGALRM in each worker's main thread; a worker
-            silent for ``2 * timeout_s + 1`` s is killed and that response counts as timed out.
-        chunk_size: responses sent to a worker at once (default: up to 64, about 4 chunks/worker).
-        mp_context: multiprocessing start method (default ``forkserver`` where available, with
-            this module preloaded, else ``spawn``); ``fork`` is fastest but unsafe with threads.
-        startup_timeout_s: give up (RuntimeError) if a worker has not started in this time.
-
-    Raises:
-        GoldAnswerError: some gold cannot be parsed (the first one found is named).
-    """
-    items = [(r[-MAX_RESPONSE_CHARS:] if isinstance(r, str) else None, g) for r, g in pairs]
-    n = len(items)
-    if n == 0:
-        return []
-    if workers != 0 and mp.current_process().daemon:
-        logger.warning("grade_many in a daemonic process cannot start workers: grading in-process")
-        workers = 0
-    if workers == 0:
-        return [grade_detailed(r, g, timeout_s=timeout_s) for r, g in items]
-    try:
-        return _grade_in_workers(items, workers, timeout_s, chunk_size, mp_context,
-                                 startup_timeout_s)
-    except _WorkerStartError as err:
-        # e.g. inside a joblib/loky worker (a parallel sweep job), where children cannot be
-        # started with spawn/forkserver: grade here instead (no hard kill of stuck C code)
-        logger.warning("%s; grading %d responses in this process instead", err, n)
-        return [grade_detailed(r, g, timeout_s=timeout_s) for r, g in items]
-
-
-class _WorkerStartError(RuntimeError):
-    """No grading worker process could be started."""
-
-
-def _grade_in_workers(items: list[tuple[str | None, object]], workers: int | None,
-                      timeout_s: float | None, chunk_size: int | None, mp_context: str | None,
-                      startup_timeout_s: float) -> list[GradeResult]:
-    n = len(items)
-    n_workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    if chunk_size is None:
-        chunk_size = max(1, min(64, -(-n // (4 * n_workers))))
-    chunks: deque[list[int]] = deque(
-        list(range(i, min(i + chunk_size, n))) for i in range(0, n, chunk_size)
-    )
-    n_workers = min(n_workers, len(chunks))
-    ctx = mp.get_context(mp_context) if mp_context else _default_context()
-    hard_limit = None if timeout_s is None or timeout_s <= 0 else 2 * timeout_s + 1.0
-    results: list[GradeResult | None] = [None] * n
-    pool: list[_Worker] = []
-
-    def handle(worker: _Worker, msg: tuple[Any, ...]) -> None:
-        worker.last_progress = time.monotonic()
-        if msg[0] == "ready":
-            worker.ready = True
-        elif msg[0] == "ok":
-            results[msg[1]] = GradeResult(*msg[2])
-            worker.pending.remove(msg[1])
-        else:  # "gold"
-            raise GoldAnswerError(msg[2])
-
-    def replace(i: int, why: str) -> None:
-        """Worker ``i`` died or hung: the response it was on fails, the rest are re-queued."""
-        worker = pool[i]
-        while True:  # keep what it finished before dying
-            try:
-                if not worker.conn.poll():
-                    break
-                handle(worker, worker.conn.recv())
-            except (EOFError, OSError):
-                break
-        if not worker.ready:
-            worker.stop(kill=True)
-            raise _WorkerStartError(f"a grading worker {why} before it started")
-        if worker.pending:
-            idx = worker.pending.popleft()
-            logger.warning("grading worker %s on response %d: counted as timed out", why, idx)
-            results[idx] = GradeResult(False, None, timed_out=True)
-            if worker.pending:
-                chunks.appendleft(list(worker.pending))
-        worker.stop(kill=True)
-        pool[i] = _Worker(ctx, timeout_s)
-
-    try:
-        pool = [_Worker(ctx, timeout_s) for _ in range(n_workers)]
-        while chunks or any(w.pending for w in pool):
-            for i, worker in enumerate(pool):
-                if worker.dead or not worker.proc.is_alive():
-                    replace(i, "died")
-                    continue
-                if worker.ready and not worker.pending and chunks:
-                    chunk = chunks.popleft()
-                    try:
-                        worker.conn.send([(idx, *items[idx]) for idx in chunk])
-                    except (OSError, ValueError):
-                        chunks.appendleft(chunk)
-                        worker.dead = True
-                        continue
-                    worker.pending.extend(chunk)
-                    worker.last_progress = time.monotonic()
-            for conn in wait([w.conn for w in pool if not w.dead], timeout=0.5):
-                worker = next(w for w in pool if w.conn is conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    worker.dead = True
-                    continue
-                handle(worker, msg)
-            now = time.monotonic()
-            for i, worker in enumerate(pool):
-                if not worker.ready and now - worker.started > startup_timeout_s:
-                    raise _WorkerStartError(
-                        f"a grading worker did not start in {startup_timeout_s} s")
-                if hard_limit and worker.pending and now - worker.last_progress > hard_limit:
-                    replace(i, f"was stuck for {hard_limit:.0f} s")
-    finally:
-        for worker in pool:
-            worker.stop(kill=worker.dead or bool(worker.pending))
-    final = [r if r is not None else GradeResult(False, None, True) for r in results]
-    n_timeouts = sum(r.timed_out for r in final)
-    if n_timeouts:
-        logger.warning("%d of %d responses timed out while grading (graded wrong)", n_timeouts, n)
-    return final
-
-
-def grade_many(
-    pairs: Iterable[tuple[str | None, object]],
-    *,
-    workers: int | None = None,
-    timeout_s: float | None = 5.0,
-    chunk_size: int | None = None,
-    mp_context: str | None = None,
-) -> list[bool]:
-    """Grades ``(response, gold)`` pairs in a process pool; a list of bools in input order.
-
-    Each worker grades in its main thread with an alarm-based per-response deadline; timed-out
-    responses are graded wrong, counted and logged (use :func:`grade_many_detailed` to get the
-    flags). See :func:`grade_many_detailed` for the arguments.
-    """
-    return [r.correct for r in grade_many_detailed(
-        pairs, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size,
-        mp_context=mp_context)]

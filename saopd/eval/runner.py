@@ -1,31 +1,33 @@
-"""Avg@k evaluation on math benchmarks through the rollout engines.
+"""Avg@k evaluation of a benchmark through a rollout engine.
 
 For each problem, ``k`` responses are sampled (the paper: temperature 1.0, top-p 0.95) and graded
-against the gold answer (:func:`saopd.eval.math.grade_many`); a benchmark's score is the mean over
-problems of the fraction of correct samples (Avg@k; with k = 1 it is plain accuracy). Every sample
-is kept in a JSONL (problem id, sample index, response, extracted answer, correct).
+against the gold answer; a benchmark's score is the mean over problems of the fraction of correct
+samples (Avg@k; with k = 1 it is plain accuracy). Every sample is kept (problem id, sample index,
+response, extracted answer, score).
 
-Vision-language benchmarks: rows whose user turn holds image parts (paths relative to the JSONL,
-checked by :func:`saopd.prompts.vision.read_vision_rows`) and whose ``metadata["format"]`` is
-``count``, ``choice`` or ``numeric`` are graded by :func:`saopd.eval.vision.grade_vision`
-(counting exact match, option letters, numbers within a relative tolerance, short text); the
-engine must then have the model's processor. ``synth_vqa`` names the test split of ``dvc repro
-prepare_vlm``; the paper's six VLM benchmarks (:data:`VISION_BENCHMARKS`) are written by ``dvc
-repro prepare_vlm_eval``. Rows whose format is ``mmifeval`` are graded by
-:func:`saopd.eval.mmifeval.grade_mmifeval`: a fractional score per sample (the mean over its
-graded constraints); constraints that need an LLM judge are graded only when a ``judge`` is
-given, otherwise they are counted as ungraded, and a sample with nothing graded is left out of
-the score (``BenchmarkResult.ungraded``).
+What a benchmark is comes from its record (:data:`saopd.eval.benchmarks.BENCHMARKS`):
+:func:`load_benchmark` reads the file the record names, and :func:`grade_samples` grades with the
+record's grader (:data:`GRADERS`): ``math`` sends every response to math-verify in worker
+processes (:func:`saopd.eval.grading.grade_many`); ``vision`` grades rows whose
+``metadata["format"]`` is ``count``, ``choice``, ``numeric`` or ``text`` with
+:func:`saopd.eval.vision.grade_vision` (in-process) and rows without a format with math-verify;
+``mmifeval`` scores each sample by :func:`saopd.eval.mmifeval.grade_mmifeval`: the mean over its
+graded constraints. Constraints that need an LLM judge are graded only when a ``judge`` is given,
+otherwise they are counted as ungraded, and a sample with nothing graded is left out of the score
+(``BenchmarkResult.ungraded``). Rows with images (paths relative to the JSONL, checked by
+:func:`saopd.prompts.vision.read_vision_rows`) need an engine with the model's processor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from saopd.eval.benchmarks import BENCHMARKS
 from saopd.prompts.text import gsm8k_records, load_jsonl
 from saopd.rollout.base import RolloutEngine, SamplingParams
 
@@ -34,22 +36,29 @@ if TYPE_CHECKING:
 
     from saopd.eval.mmifeval import MMIFEvalJudge
 
-MATH_BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math")
+__all__ = [
+    "GRADERS",
+    "REQUIRED_FIELDS",
+    "BenchmarkResult",
+    "EvalProblem",
+    "SampleGrader",
+    "evaluate_benchmark",
+    "grade_samples",
+    "load_benchmark",
+]
+
+#: Fields every row of a benchmark's JSONL must have.
 REQUIRED_FIELDS = ("id", "messages", "answer")
-#: Vision benchmarks outside ``data_dir``: name -> path relative to ``data_dir``'s parent
-#: (``data/prepared``), written by ``dvc repro prepare_vlm``.
-VISION_BENCHMARKS = {"synth_vqa": "vlm/test.jsonl",
-                     **{name: f"vlm_eval/{name}.jsonl" for name in (
-                         "evochart", "mmifeval", "countqa", "mathvision", "geo3k", "mathvista")}}
 
 
 @dataclass
 class EvalProblem:
     """One benchmark problem: chat messages to sample from and the gold answer.
 
-    ``metadata``: the row's metadata; ``metadata["format"]`` in
-    :data:`saopd.eval.vision.VISION_FORMATS` selects the vision grading (with its ``choices`` /
-    ``tolerance``), anything else the math grading.
+    ``source``: the dataset the row came from; ``metadata``: the row's metadata (for the
+    ``vision`` grader, ``metadata["format"]`` in :data:`saopd.eval.vision.VISION_FORMATS`
+    selects how the answer is compared, with its ``choices`` / ``tolerance``; for ``mmifeval``,
+    the row's constraints).
     """
 
     id: str
@@ -80,28 +89,28 @@ class BenchmarkResult:
 
 def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
                    skip_bad: bool = False) -> list[EvalProblem]:
-    """Problems of ``name``: ``gsm8k`` (the vendored test split), a prepared JSONL
-    ``<data_dir>/<name>.jsonl`` (``dvc repro prepare_eval`` writes them; rows with images are
-    read with their image paths checked and resolved), or a vision benchmark of
-    :data:`VISION_BENCHMARKS` (``synth_vqa``: ``dvc repro prepare_vlm``)."""
-    if name == "gsm8k":
+    """The first ``limit`` problems (all with None) of the registered benchmark ``name``.
+
+    The file is the record's (:class:`saopd.eval.benchmarks.Benchmark`): ``<data_dir>/<file>``
+    (``..`` taken lexically, so ``data_dir`` itself need not exist), or the vendored GSM8K test
+    split. Rows with images are read with their image paths checked and made absolute.
+
+    Raises:
+        ValueError: ``name`` is not registered (the message lists the registered names), or a
+            row lacks a field of :data:`REQUIRED_FIELDS` (``file: row N``).
+        FileNotFoundError: the file is missing (the message names the ``dvc repro`` stage that
+            writes it).
+    """
+    record = BENCHMARKS.get(name)
+    if record.file is None:
         from saopd.prompts.text import GSM8K_DIR
 
         records, _ = gsm8k_records(GSM8K_DIR / "test.jsonl", limit=limit, skip_bad=skip_bad)
         return [EvalProblem(r.id, r.messages, r.answer or "", "gsm8k") for r in records]
-    path = Path(data_dir) / f"{name}.jsonl"
-    if not path.is_file() and name in VISION_BENCHMARKS:
-        path = Path(data_dir).parent / VISION_BENCHMARKS[name]
-        if not path.is_file():
-            stage = "prepare_vlm" if name == "synth_vqa" else "prepare_vlm_eval"
-            raise FileNotFoundError(f"benchmark {name!r}: no file {path}; run "
-                                    f"`dvc repro {stage}`")
+    path = Path(os.path.normpath(Path(data_dir) / record.file))
     if not path.is_file():
-        raise FileNotFoundError(
-            f"benchmark {name!r}: no prepared file {path}; run `dvc repro prepare_eval` "
-            f"(known benchmarks: gsm8k, {', '.join(MATH_BENCHMARKS)}, "
-            f"{', '.join(VISION_BENCHMARKS)})"
-        )
+        raise FileNotFoundError(f"benchmark {name!r}: no file {path}; run "
+                                f"`dvc repro {record.stage}`")
     rows, _ = load_jsonl(path, skip_bad=skip_bad)
     if any(isinstance(m.get("content"), list) for r in rows
            for m in (r.get("messages") or []) if isinstance(m, dict)):
@@ -128,43 +137,98 @@ def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
                         dict(r.get("metadata") or {})) for r in rows]
 
 
-def _grade(samples: list[dict[str, Any]], problems: dict[str, EvalProblem],
-           grade_workers: int | None, judge: MMIFEvalJudge | None = None) -> list[float | None]:
-    """Scores in [0, 1] per sample: vision formats in-process
-    (:func:`saopd.eval.vision.grade_vision`, which also sets the sample's ``extracted``),
-    ``mmifeval`` by :func:`saopd.eval.mmifeval.grade_mmifeval` (None when nothing could be
-    graded; the sample gets ``constraints`` and ``ungraded_constraints``), the rest with
-    math-verify in worker processes."""
-    from saopd.eval.math import grade_many
-    from saopd.eval.mmifeval import grade_mmifeval
-    from saopd.eval.vision import grade_vision, is_vision_format
+class SampleGrader(Protocol):
+    """One grader kind: scores in [0, 1] per sample, None for a sample left ungraded.
+
+    ``samples``: dicts with ``id`` (a key of ``problems``), ``response`` and ``gold``; a grader
+    may add fields to them (``extracted``, MM-IFEval's ``constraints``). ``grade_workers``:
+    math-verify processes (None = one per core); ``judge``: MM-IFEval's LLM judge, or None.
+    """
+
+    def __call__(self, samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
+                 grade_workers: int | None, judge: MMIFEvalJudge | None
+                 ) -> list[float | None]: ...
+
+
+def _math_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
+                 grade_workers: int | None, judge: MMIFEvalJudge | None) -> list[float | None]:
+    """math-verify on every sample, in worker processes (0.0 or 1.0).
+
+    A row with a ``metadata["format"]`` belongs to a ``vision``/``mmifeval`` benchmark: refused
+    (``ValueError``) rather than graded as math."""
+    from saopd.eval.grading import grade_many
+
+    formatted = sorted({str(problems[s["id"]].metadata["format"]) for s in samples
+                        if problems[s["id"]].metadata.get("format") is not None})
+    if formatted:
+        raise ValueError(f"rows with answer format(s) {formatted} in a benchmark graded by "
+                         "math-verify: give the benchmark the 'vision' or 'mmifeval' grader")
+    graded = grade_many([(s["response"], s["gold"]) for s in samples], workers=grade_workers)
+    return [float(bool(ok)) for ok in graded]
+
+
+def _vision_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
+                   grade_workers: int | None, judge: MMIFEvalJudge | None
+                   ) -> list[float | None]:
+    """Rows with a format by :func:`saopd.eval.vision.grade_vision` (in-process; sets the
+    sample's ``extracted``), rows without one by :func:`_math_scores`."""
+    from saopd.eval.vision import grade_vision
 
     scores: list[float | None] = [None] * len(samples)
     math_idx = []
     for i, s in enumerate(samples):
-        problem = problems[s["id"]]
-        meta = problem.metadata
-        if meta.get("format") == "mmifeval":
-            from saopd.prompts.vision import message_images
-
-            res_if = grade_mmifeval(s["response"], meta, judge=judge,
-                                    images=[str(p) for p in message_images(problem.messages)])
-            s["extracted"] = None
-            s["constraints"] = res_if.constraints
-            s["ungraded_constraints"] = res_if.ungraded
-            scores[i] = res_if.score
-        elif is_vision_format(meta.get("format")):
-            res = grade_vision(s["response"], s["gold"], meta["format"], meta)
-            s["extracted"] = res.extracted
-            scores[i] = float(res.correct)
-        else:
+        meta = problems[s["id"]].metadata
+        if meta.get("format") is None:
             math_idx.append(i)
+            continue
+        res = grade_vision(s["response"], s["gold"], meta["format"], meta)
+        s["extracted"] = res.extracted
+        scores[i] = float(res.correct)
     if math_idx:
-        graded = grade_many([(samples[i]["response"], samples[i]["gold"]) for i in math_idx],
-                            workers=grade_workers)
-        for i, ok in zip(math_idx, graded, strict=True):
-            scores[i] = float(bool(ok))
+        graded = _math_scores([samples[i] for i in math_idx], problems,
+                              grade_workers=grade_workers, judge=judge)
+        for i, value in zip(math_idx, graded, strict=True):
+            scores[i] = value
     return scores
+
+
+def _mmifeval_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
+                     grade_workers: int | None, judge: MMIFEvalJudge | None
+                     ) -> list[float | None]:
+    """:func:`saopd.eval.mmifeval.grade_mmifeval` per sample (None when nothing could be graded;
+    the sample gets ``constraints`` and ``ungraded_constraints``)."""
+    from saopd.eval.mmifeval import grade_mmifeval
+    from saopd.prompts.vision import message_images
+
+    scores: list[float | None] = []
+    for s in samples:
+        problem = problems[s["id"]]
+        res = grade_mmifeval(s["response"], problem.metadata, judge=judge,
+                             images=[str(p) for p in message_images(problem.messages)])
+        s["extracted"] = None
+        s["constraints"] = res.constraints
+        s["ungraded_constraints"] = res.ungraded
+        scores.append(res.score)
+    return scores
+
+
+#: The graders of :data:`saopd.eval.benchmarks.GRADER_KINDS`, by kind.
+GRADERS: dict[str, SampleGrader] = {"math": _math_scores, "vision": _vision_scores,
+                                    "mmifeval": _mmifeval_scores}
+
+
+def grade_samples(name: str, samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem],
+                  *, grade_workers: int | None = None, judge: MMIFEvalJudge | None = None
+                  ) -> list[float | None]:
+    """Scores in [0, 1] of ``samples`` of benchmark ``name``, by its record's grader.
+
+    ``samples``: dicts with ``id`` (a key of ``problems``), ``response`` and ``gold``; the grader
+    may add ``extracted`` (vision formats) or ``constraints`` / ``ungraded_constraints``
+    (MM-IFEval). None: a sample with nothing graded (MM-IFEval judge-only constraints without a
+    ``judge``). Raises ``ValueError`` for an unregistered ``name`` (listing the registered ones).
+    """
+    grader = GRADERS[BENCHMARKS.get(name).grader]
+    return grader(samples, problems, grade_workers=grade_workers, judge=judge)
 
 
 def evaluate_benchmark(
@@ -181,13 +245,17 @@ def evaluate_benchmark(
 ) -> BenchmarkResult:
     """Sample ``sampling.n`` responses per problem, grade them, return Avg@k and every sample.
 
-    Each sample gets ``score`` (in [0, 1]; None when ungraded) and ``correct`` (``score ==
-    1``; None when ungraded). A problem's score is the mean over its graded samples; the
-    benchmark's is the mean over problems with a graded sample. ``judge`` grades MM-IFEval's
+    ``name``: the registered benchmark (its record's grader grades, :func:`grade_samples`);
+    ``problems``: its problems (:func:`load_benchmark`); ``batch_size``: problems per
+    ``engine.generate`` call (each batch seeded ``sampling.seed + start`` when seeded). Each
+    sample gets ``score`` (in [0, 1]; None when ungraded) and ``correct`` (``score == 1``; None
+    when ungraded). A problem's score is the mean over its graded samples; the benchmark's is
+    the mean over problems with a graded sample. ``judge`` grades MM-IFEval's
     judge-only constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`).
     """
     from saopd.eval.math import extract_answer
 
+    BENCHMARKS.get(name)  # an unknown name fails here, before any sampling
     samples: list[dict[str, Any]] = []
     unfinished = 0
     for start in range(0, len(problems), batch_size):
@@ -209,7 +277,8 @@ def evaluate_benchmark(
                             "tokens": len(r.response_ids)})
         if progress is not None:
             progress(len(part))
-    scores = _grade(samples, {p.id: p for p in problems}, grade_workers, judge)
+    scores = grade_samples(name, samples, {p.id: p for p in problems},
+                           grade_workers=grade_workers, judge=judge)
     per_problem: dict[str, list[float]] = {}
     ungraded = 0
     for sample, value in zip(samples, scores, strict=True):

@@ -117,17 +117,26 @@ class TokenViewCallback(L.Callback):
 class EvalCallback(L.Callback):
     """Every ``every_n_steps``, Avg@k of the live student on held-out benchmarks.
 
-    Uses the same code as ``saopd-eval`` (:func:`saopd.eval.runner.evaluate_benchmark`) with an
-    HF engine on the student; scores go to the trainer's loggers as ``eval/<name>/avg_at_<k>``
-    (MLflow names allow no "@") at the step's index, and the per-sample JSONL to
-    ``<out_dir>/eval/step_XXXXXX/``.
+    Uses the same code as ``saopd-eval`` (:func:`saopd.eval.runner.evaluate_benchmark`: each
+    benchmark graded by its record's grader, :data:`saopd.eval.benchmarks.BENCHMARKS`) with an
+    HF engine on the live student, built by :func:`saopd.rollout.registry.build_engine` with the
+    run's chat-template variables and, for a vision-language student, its processor
+    (``pl_module.contexts``). ``problems``: benchmark name -> its problems
+    (:func:`saopd.eval.runner.load_benchmark`); ``sampling``: the same for every benchmark;
+    ``batch_size``: problems per ``generate`` call. Scores go to the trainer's loggers as
+    ``eval/<name>/avg_at_<k>`` (MLflow names allow no "@") at the step's index, and the
+    per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/``.
     """
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
                  grade_workers: int | None = None) -> None:
+        from saopd.eval.benchmarks import BENCHMARKS
+
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        for name in problems:  # an unknown name fails now, not at the first evaluation
+            BENCHMARKS.get(name)
         self.every_n_steps = every_n_steps
         self.problems = problems
         self.sampling = sampling
@@ -140,17 +149,19 @@ class EvalCallback(L.Callback):
         done = trainer.global_step
         if done % self.every_n_steps != 0:
             return
+        from saopd.config.rollout import HFRolloutConfig
         from saopd.eval.runner import evaluate_benchmark
         from saopd.io import write_jsonl_atomic
-        from saopd.rollout.hf import HFGenerateEngine
+        from saopd.rollout.registry import build_engine
 
         step = done - 1
-        engine = HFGenerateEngine(pl_module.student, pl_module.tokenizer,
-                                  batch_size=self.batch_size)
         contexts = pl_module.contexts
-        if contexts.processor is not None:  # a vision-language student: prompts may hold images
-            engine.set_processor(contexts.processor,
-                                 chat_template_kwargs=contexts.chat_template_kwargs)
+        # HF generate on the module being trained, even when training samples with vLLM: there
+        # are no weights to sync, and the engine lives only for this evaluation
+        engine = build_engine(HFRolloutConfig(batch_size=self.batch_size), pl_module.student,
+                              pl_module.tokenizer,
+                              chat_template_kwargs=contexts.chat_template_kwargs,
+                              processor=contexts.processor)
         metrics = {}
         for name, problems in self.problems.items():
             res = evaluate_benchmark(name, problems, engine, pl_module.tokenizer, self.sampling,

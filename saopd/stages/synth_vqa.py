@@ -40,6 +40,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from saopd.io import encode_json_line, staged_folder
+from saopd.stages.common import STAGES, PrepareError, param_section, resolve_path
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -72,8 +75,9 @@ BACKGROUND = (255, 255, 255)
 Task = Callable[[random.Random, int], tuple["Image.Image", str, str, dict[str, Any]]]
 
 
-class SynthError(ValueError):
-    """A bad ``prepare_vlm`` parameter (raised as ``PrepareError`` by the stage runner)."""
+class SynthError(PrepareError):
+    """A bad ``prepare_vlm`` parameter (a :class:`~saopd.stages.common.PrepareError`, so the
+    command line reports it in one line)."""
 
 
 # ----------------------------------------------------------------------------------- drawing
@@ -243,6 +247,7 @@ def _int_param(cfg: Mapping[str, Any], key: str, default: int, minimum: int, whe
     return value
 
 
+@STAGES.register("prepare_vlm")
 def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -> dict[str, Any]:
     """Stage ``prepare_vlm``: render the splits of ``params["prepare_vlm"]`` into ``out_dir``.
 
@@ -250,18 +255,12 @@ def prepare_vlm(params: Mapping[str, Any], root: str | os.PathLike[str] = ".") -
     test: m}``), ``tasks`` (default all of :data:`TASKS`). Writes ``<out_dir>/<split>.jsonl``,
     ``<out_dir>/images/<split>/*.png`` and ``<out_dir>/report.json`` (rows per split and task,
     sha256 of every JSONL and of the images) into a temporary folder, then swaps it in. Relative
-    paths are taken from ``root``. Raises :class:`SynthError` for a bad parameter.
+    paths are taken from ``root``. Raises :class:`~saopd.stages.common.PrepareError` (a
+    :class:`SynthError` for the rendering parameters) for a bad parameter.
     """
-    from saopd.io import encode_json_line, staged_folder  # shared by every stage
-
     where = "prepare_vlm"
-    cfg = params.get(where)
-    if not isinstance(cfg, Mapping):
-        raise SynthError(f"params: missing or invalid section {where!r} (expected a mapping)")
-    out_value = cfg.get("out_dir")
-    if not isinstance(out_value, str) or not out_value:
-        raise SynthError(f"{where}.out_dir: expected a path string, got {out_value!r}")
-    out_dir = Path(out_value) if Path(out_value).is_absolute() else Path(root) / out_value
+    cfg = param_section(params, where, "params")
+    out_dir = resolve_path(Path(root), cfg.get("out_dir"), f"{where}.out_dir")
     seed = _int_param(cfg, "seed", 0, 0, where)
     size = _int_param(cfg, "image_size", 224, 64, where)
     splits = cfg.get("splits", {"train": 240, "test": 60})

@@ -14,7 +14,7 @@ from saopd.eval.mmifeval import (
     split_paragraphs,
     split_sentences,
 )
-from saopd.eval.runner import EvalProblem, _grade
+from saopd.eval.runner import EvalProblem, grade_samples
 
 TWO_PARAS = "The cat sat. It was happy!\n\nDr. Smith came at 3 p.m. today. He left."
 
@@ -160,23 +160,27 @@ def test_bad_metadata_is_refused(meta: dict, match: str) -> None:
         check_constraints(meta)
 
 
-def test_runner_dispatches_mmifeval_and_counts_ungraded(monkeypatch) -> None:
-    import saopd.eval.math as math_grading
+def test_runner_grades_mmifeval_by_constraints_and_counts_ungraded(monkeypatch) -> None:
+    import saopd.eval.grading as math_grading
 
-    monkeypatch.setattr(math_grading, "grade_many",
-                        lambda pairs, workers=None: [False] * len(pairs))
+    def no_math(*args, **kwargs):
+        raise AssertionError("MM-IFEval rows must not go to math-verify")
+
+    monkeypatch.setattr(math_grading, "grade_many", no_math)
     p_meta = {"format": "mmifeval", "tag": "P-Level", "question": "q", "answer_list": ["a"]}
     problems = {
         "c": EvalProblem("c", [{"role": "user", "content": "x"}], "", "mmifeval", _c_level()),
         "p": EvalProblem("p", [{"role": "user", "content": "x"}], "[\"a\"]", "mmifeval", p_meta),
-        "m": EvalProblem("m", [{"role": "user", "content": "x"}], "4", "math", {}),
     }
     samples = [{"id": "c", "response": "Hi.\n\nBye.", "gold": ""},
-               {"id": "p", "response": "a", "gold": "[\"a\"]"},
-               {"id": "m", "response": "5", "gold": "4"}]
-    scores = _grade(samples, problems, grade_workers=1)
-    assert scores == [1.0, None, 0.0]
+               {"id": "p", "response": "a", "gold": "[\"a\"]"}]
+    scores = grade_samples("mmifeval", samples, problems, grade_workers=1)
+    assert scores == [1.0, None]
     assert samples[0]["ungraded_constraints"] == 2 and samples[1]["ungraded_constraints"] == 1
     assert samples[0]["constraints"]["tone"] is None
-    assert _grade([dict(samples[1])], problems, 1, judge=lambda r: 1.0) == [1.0]
+    assert grade_samples("mmifeval", [dict(samples[1])], problems, grade_workers=1,
+                         judge=lambda r: 1.0) == [1.0]
+    # the record's grader decides: the same rows in a math benchmark are refused, not guessed
+    with pytest.raises(ValueError, match=r"answer format\(s\) \['mmifeval'\]"):
+        grade_samples("gsm8k", [dict(samples[0])], problems, grade_workers=1)
     assert mif.JUDGE_METHODS == ("direct_gpt", "cmp_gpt")

@@ -54,13 +54,16 @@ def test_avg_at_k_is_the_mean_per_problem_fraction(qwen_tok) -> None:
     assert by_key[(problems[0].id, 0)]["extracted"] == problems[0].answer
 
 
-def test_unknown_benchmark_names_the_fix(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"dvc repro prepare_eval"):
+def test_missing_files_and_bad_rows_name_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"aime24\.jsonl; run `dvc repro prepare_eval`"):
         load_benchmark("aime24", tmp_path)
-    bad = tmp_path / "x.jsonl"
+    with pytest.raises(FileNotFoundError, match=r"vlm_eval/countqa\.jsonl; run `dvc repro "
+                                                r"prepare_vlm_eval`"):
+        load_benchmark("countqa", tmp_path / "eval")
+    bad = tmp_path / "amc23.jsonl"
     bad.write_text('{"id": "1", "messages": []}\n')
-    with pytest.raises(ValueError, match=r"x.jsonl: row 1 lacks field\(s\) \['answer'\]"):
-        load_benchmark("x", tmp_path)
+    with pytest.raises(ValueError, match=r"amc23.jsonl: row 1 lacks field\(s\) \['answer'\]"):
+        load_benchmark("amc23", tmp_path)
 
 
 def compose_eval(tmp: Path, *overrides: str):
@@ -73,20 +76,102 @@ def compose_eval(tmp: Path, *overrides: str):
 def test_saopd_eval_on_a_tiny_model_writes_samples_and_logs(tmp_path: Path,
                                                              monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # artifacts must not follow the working directory
     cfg = compose_eval(tmp_path, "model=tiny_qwen3",  # a config group, as users choose it
-                       "benchmarks=[gsm8k]", "limit=3", "k=2", "max_new_tokens.gsm8k=8",
+                       "benchmarks=[gsm8k]", "limit=3", "k=2", "+max_new_tokens.gsm8k=8",
                        "grade_workers=1")
     out = run_eval(cfg)
     res = out["benchmarks"]["gsm8k"]
     assert res["problems"] == 3 and res["k"] == 2 and 0.0 <= res["score"] <= 1.0
     rows = [json.loads(x) for x in Path(res["samples_file"]).read_text().splitlines()]
-    assert len(rows) == 6
+    assert len(rows) == 6 and all(r["tokens"] <= 8 for r in rows)
     assert {"id", "sample", "response", "extracted", "correct", "gold"} <= rows[0].keys()
     saved = json.loads((tmp_path / "eval" / "results.json").read_text())
     assert saved["benchmarks"]["gsm8k"]["score"] == res["score"]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     history = client.get_metric_history(out["run_id"], "eval/gsm8k/avg_at_2")
     assert [m.value for m in history] == [res["score"]]
+    # the new experiment keeps its artifacts beside the store, not in ./mlartifacts
+    experiment = client.get_experiment(client.get_run(out["run_id"]).info.experiment_id)
+    assert experiment.artifact_location == (tmp_path / "mlartifacts" / "eval").as_uri()
+    logged = (tmp_path / "mlartifacts" / "eval" / out["run_id"] / "artifacts" / "eval"
+              / "step_000000")
+    assert {p.name for p in logged.iterdir()} == {"gsm8k.jsonl", "results.json"}
+    assert not (elsewhere / "mlartifacts").exists()
+
+
+def test_saopd_eval_builds_its_engine_through_the_registry(tmp_path: Path, monkeypatch) -> None:
+    """The default engine is HF generate, built by build_engine with the run's seed and chat
+    template variables (text models get them too); the sampling is the config's."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import saopd.rollout.registry as registry
+    from saopd.config.rollout import HFRolloutConfig
+    from saopd.rollout.hf import HFGenerateEngine
+
+    calls: list[tuple] = []
+    real = registry.build_engine
+
+    def recording(conf, student, tokenizer, **setup):
+        engine = real(conf, student, tokenizer, **setup)
+        calls.append((conf, setup, engine))
+        return engine
+
+    monkeypatch.setattr(registry, "build_engine", recording)
+    cfg = compose_eval(tmp_path, "model=tiny_qwen3", "benchmarks=[gsm8k]", "limit=2", "k=1",
+                       "log_to_mlflow=false", "+max_new_tokens.gsm8k=4", "seed=3",
+                       "+chat_template_kwargs.enable_thinking=false")
+    out = run_eval(cfg)
+    (conf, setup, engine), = calls
+    assert type(conf) is HFRolloutConfig and isinstance(engine, HFGenerateEngine)
+    assert setup["seed"] == 3 and setup["processor"] is None
+    assert engine.chat_template_kwargs == {"enable_thinking": False}
+    rows = [json.loads(x) for x in
+            Path(out["benchmarks"]["gsm8k"]["samples_file"]).read_text().splitlines()]
+    assert len(rows) == 2 and all(1 <= r["tokens"] <= 4 for r in rows)
+
+
+def test_saopd_eval_samples_with_the_engine_the_rollout_group_picks(tmp_path: Path,
+                                                                   monkeypatch, qwen_tok) -> None:
+    """``rollout=vllm`` reaches build_engine with its own config; the engine is closed after."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import saopd.rollout.registry as registry
+    from saopd.config.rollout import VLLMRolloutConfig
+
+    seen: list = []
+
+    class Closing(ScriptedEngine):
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def fake_build(conf, student, tokenizer, **setup):
+        problems = load_benchmark("gsm8k", REPO / "data", limit=2)
+        seen.append((conf, Closing(tokenizer, problems, lambda i, j: i == 0)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(registry, "build_engine", fake_build)
+    cfg = compose_eval(tmp_path, "model=tiny_qwen3", "rollout=vllm",
+                       "rollout.gpu_memory_utilization=0.5", "benchmarks=[gsm8k]", "limit=2",
+                       "k=1", "log_to_mlflow=false", "grade_workers=1")
+    out = run_eval(cfg)
+    (conf, engine), = seen
+    assert type(conf) is VLLMRolloutConfig and conf.gpu_memory_utilization == 0.5
+    assert engine.closed
+    assert out["benchmarks"]["gsm8k"]["score"] == pytest.approx(0.5)
+
+
+def test_rollout_sampling_keys_are_refused(tmp_path: Path) -> None:
+    """saopd-eval samples with its own k/temperature/top_p/max_new_tokens: the rollout group's
+    copies would be silently ignored, so setting them is an error naming the key to use."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_eval(tmp_path, "rollout.temperature=0.6")
+    with pytest.raises(ValueError, match=r"rollout\.temperature is not used by saopd-eval: "
+                                         r"set temperature instead"):
+        OmegaConf.to_object(cfg)
 
 
 def test_eval_of_a_training_checkpoint_loads_the_student(tmp_path: Path, monkeypatch) -> None:
@@ -123,3 +208,46 @@ def test_training_time_eval_logs_avg_at_k(tmp_path: Path, monkeypatch) -> None:
     assert all(0.0 <= m.value <= 1.0 for m in history)
     assert (Path(summary["output_dir"]) / "eval" / "step_000001" / "gsm8k.jsonl").is_file()
 
+
+
+def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Path, tiny_tok,
+                                                                   monkeypatch) -> None:
+    """EvalCallback: an HF engine from build_engine on the live student, with the run's chat
+    template variables for a text student too (the prompts it samples from carry them)."""
+    from types import SimpleNamespace
+
+    import saopd.rollout.registry as registry
+    from saopd.config.rollout import HFRolloutConfig
+    from saopd.lightning.callbacks import EvalCallback
+    from saopd.models.tiny import tiny_qwen3
+
+    built: list = []
+    real = registry.build_engine
+
+    def recording(conf, student, tokenizer, **setup):
+        built.append((conf, student, setup, real(conf, student, tokenizer, **setup)))
+        return built[-1][-1]
+
+    monkeypatch.setattr(registry, "build_engine", recording)
+    student = tiny_qwen3(tiny_tok)
+    kwargs = {"enable_thinking": False}
+    module = SimpleNamespace(student=student, tokenizer=tiny_tok,
+                             contexts=SimpleNamespace(processor=None, chat_template_kwargs=kwargs))
+    logged: list = []
+    trainer = SimpleNamespace(global_step=2, loggers=[SimpleNamespace(
+        log_metrics=lambda metrics, step: logged.append((metrics, step)))])
+    problems = {"gsm8k": load_benchmark("gsm8k", REPO / "data", limit=2)}
+    callback = EvalCallback(2, problems, SamplingParams(n=1, max_new_tokens=3), tmp_path,
+                            batch_size=2)
+    callback.on_train_batch_end(trainer, module, None, None, 0)
+    (conf, model, setup, engine), = built
+    assert conf == HFRolloutConfig(batch_size=2) and model is student
+    assert setup == {"chat_template_kwargs": kwargs, "processor": None}
+    messages = problems["gsm8k"][0].messages
+    # Qwen3's template closes an empty think block only with enable_thinking=false
+    assert tiny_tok.decode(engine.prompt_ids(messages)) == tiny_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    assert tiny_tok.decode(engine.prompt_ids(messages)).endswith("<think>\n\n</think>\n\n")
+    ((metrics, step),) = logged
+    assert step == 1 and set(metrics) == {"eval/gsm8k/avg_at_1"}
+    assert (tmp_path / "eval" / "step_000001" / "gsm8k.jsonl").is_file()

@@ -100,7 +100,7 @@ class ScriptedEngine:
 
 
 def test_runner_grades_vision_formats_without_math_verify(monkeypatch) -> None:
-    import saopd.eval.math as math_grading
+    import saopd.eval.grading as math_grading
 
     def no_math(*args, **kwargs):
         raise AssertionError("vision rows must not go to math-verify")
@@ -120,7 +120,7 @@ def test_saopd_eval_runs_a_tiny_vlm_on_synth_vqa(tmp_path: Path, monkeypatch) ->
         cfg = compose("eval", overrides=[
             "model=tiny_qwen3_5_vl", f"data_dir={synth_dir().parent / 'eval'}",
             f"output_dir={tmp_path / 'eval'}", "benchmarks=[synth_vqa]", "limit=3", "k=2",
-            "max_new_tokens.synth_vqa=4", "log_to_mlflow=false"])
+            "+max_new_tokens.synth_vqa=4", "log_to_mlflow=false"])
     out = run_eval(cfg)
     res = out["benchmarks"]["synth_vqa"]
     assert res["problems"] == 3 and res["k"] == 2 and 0.0 <= res["score"] <= 1.0

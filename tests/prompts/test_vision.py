@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from saopd.prompts.vision import message_images, read_vision_rows, validate_messages, vision_records
-from saopd.stages import prepare
+from saopd.stages.__main__ import main
 from saopd.stages.synth_vqa import COLOURS, SynthError, synth_rows
 from tests.helpers.vlm import synth_dir
 
@@ -103,15 +103,15 @@ def _params(tmp: Path, out: str, seed: int = 0) -> Path:
 
 
 def test_stage_is_deterministic_and_replaces_its_output_whole(tmp_path: Path) -> None:
-    assert prepare.main(["prepare_vlm", "--params", str(_params(tmp_path, "a"))]) == 0
+    assert main(["prepare_vlm", "--params", str(_params(tmp_path, "a"))]) == 0
     first = _files(tmp_path / "a")
     assert len([k for k in first if k.endswith(".png")]) == 11
     assert {"train.jsonl", "test.jsonl", "report.json"} <= set(first)
     (tmp_path / "a" / "stale.txt").write_text("left over")
-    assert prepare.main(["prepare_vlm", "--params", str(_params(tmp_path, "a"))]) == 0
+    assert main(["prepare_vlm", "--params", str(_params(tmp_path, "a"))]) == 0
     assert _files(tmp_path / "a") == first  # same bytes; the old folder was replaced whole
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".a.")]  # no temp left
-    assert prepare.main(["prepare_vlm", "--params", str(_params(tmp_path, "b", seed=1))]) == 0
+    assert main(["prepare_vlm", "--params", str(_params(tmp_path, "b", seed=1))]) == 0
     other = _files(tmp_path / "b")
     assert other.keys() == first.keys() and other["train.jsonl"] != first["train.jsonl"]
     report = json.loads(first["report.json"])
@@ -123,7 +123,7 @@ def test_stage_rows_load_and_bad_params_fail_clearly(tmp_path: Path, capsys) -> 
     assert report.rows == 12 and all(len(message_images(r.messages)) == 1 for r in records)
     bad = tmp_path / "bad.yaml"
     bad.write_text("prepare_vlm:\n  out_dir: x\n  splits: {valid: 3}\n")
-    assert prepare.main(["prepare_vlm", "--params", str(bad)]) == 1
+    assert main(["prepare_vlm", "--params", str(bad)]) == 1
     assert "prepare_vlm.splits must map some of ['train', 'test']" in capsys.readouterr().err
     with pytest.raises(SynthError, match=r"tasks must be a non-empty subset"):
         synth_rows("train", 2, tasks=("draw",))

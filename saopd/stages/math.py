@@ -1,8 +1,8 @@
-"""Data preparation stages of the DVC pipeline: evaluation benchmarks and the training prompts.
+"""The math stages of the DVC pipeline: the evaluation benchmarks and the training prompts.
 
-Run as ``python -m saopd.stages.prepare <stage> --params params.yaml`` (``dvc repro`` does this,
-see ``dvc.yaml``). Relative paths in the params file are resolved against the params file's
-folder (the repository root for ``params.yaml``).
+Run as ``python -m saopd.stages <stage> --params params.yaml`` (``dvc repro`` does this, see
+``dvc.yaml``). Relative paths in the params file are resolved against the params file's folder
+(the repository root for ``params.yaml``).
 
 Both stages write one JSON object per line, in one schema::
 
@@ -17,7 +17,8 @@ Both stages write one JSON object per line, in one schema::
 ``data/benchmarks`` (see its ``PROVENANCE.md``) to ``<out_dir>/<name>.jsonl``:
 
 - every input file's sha256 and row count are checked against the params first; a mismatch
-  raises :class:`PrepareError` naming the file, the expected and the actual value;
+  raises :class:`~saopd.stages.common.PrepareError` naming the file, the expected and the actual
+  value;
 - ``aime25``: the upstream defect where ``\\f`` of ``\\frac`` became U+000C and ``\\t`` of
   ``\\triangle`` became U+0009 is repaired on ``problem`` (rows 18, 27 and 19);
 - ``amc23``: float answers become integers when integral (``27.0`` -> ``"27"``);
@@ -30,72 +31,58 @@ Both stages write one JSON object per line, in one schema::
 from ``source: deepmath`` (``zwhe99/DeepMath-103K`` through Hugging Face ``datasets``, imported
 only on that path; rows with ``difficulty >= min_difficulty`` and a seeded ``fraction`` of them)
 or ``source: local`` (a local JSONL, by default the vendored GSM8K train split read with
-:func:`saopd.prompts.text.gsm8k_records`). The source is always logged and written to the report.
+:func:`saopd.prompts.text.gsm8k_records`, which imports torch: only that path does). The source
+is always logged and written to the report.
 
 Bad input (a line that is not valid UTF-8/JSON or not an object, a missing or invalid field)
-raises :class:`PrepareError` naming ``file:line``; with ``skip_bad: true`` the row is skipped
-and counted in the stage's ``report.json``. Every output is written to a temporary file in the
-same folder and moved into place with :func:`os.replace`, and a stage writes nothing until all
-of its inputs were read and checked, so no half-written file ever appears.
+raises :class:`~saopd.stages.common.PrepareError` naming ``file:line``; with ``skip_bad: true``
+the row is skipped and counted in the stage's ``report.json``. Every output is written to a
+temporary file in the same folder and moved into place with :func:`os.replace`, and a stage
+writes nothing until all of its inputs were read and checked, so no half-written file ever
+appears.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import logging
-import math
 import os
 import re
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from saopd.io import (
-    PathLike,
-    file_sha256,
-    iter_jsonl_objects,
-    write_json_atomic,
-    write_jsonl_atomic,
-)
+from saopd.io import PathLike, write_json_atomic, write_jsonl_atomic
 from saopd.latex import match_brace
+from saopd.stages.common import (
+    MAX_REPORTED_ERRORS,
+    STAGES,
+    PrepareError,
+    StageReport,
+    answer_str,
+    flag_param,
+    instruction_param,
+    iter_jsonl,
+    optional_int_param,
+    param_section,
+    require_param,
+    resolve_path,
+    seeded_sample,
+    shown_path,
+    verify_input,
+)
 
 __all__ = [
     "BENCHMARKS",
     "DEEPMATH_COLUMNS",
-    "DEFAULT_INSTRUCTION",
-    "STAGES",
-    "PrepareError",
-    "StageReport",
     "deepmath_records",
-    "file_sha256",
     "last_boxed",
-    "load_params",
-    "main",
     "make_record",
     "prepare_eval",
     "prepare_train",
     "repair_aime25_problem",
-    "seeded_sample",
-    "verify_input",
-    "write_json_atomic",
-    "write_jsonl_atomic",
 ]
 
 logger = logging.getLogger(__name__)
-
-
-#: Default instruction appended (after a newline) to every problem; ``params.yaml`` sets it too.
-DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-#: Stage names accepted by the command line (``prepare_vlm``: :mod:`saopd.stages.synth_vqa`;
-#: ``prepare_vlm_understanding``/``_reasoning``/``_eval``: :mod:`saopd.stages.paper_vlm`).
-STAGES = ("prepare_eval", "prepare_train", "prepare_vlm", "prepare_vlm_understanding",
-          "prepare_vlm_reasoning", "prepare_vlm_eval")
 
 #: Columns of ``zwhe99/DeepMath-103K`` that are read. The dataset (one ``train`` split, about
 #: 103k rows) also has ``r1_solution_1..3``, three long DeepSeek-R1 solutions, which are not
@@ -103,13 +90,6 @@ STAGES = ("prepare_eval", "prepare_train", "prepare_vlm", "prepare_vlm_understan
 #: reached here); ``question``/``final_answer``/``difficulty`` are checked when the dataset is
 #: loaded, and a mismatch raises an error listing the columns found.
 DEEPMATH_COLUMNS = ("question", "final_answer", "difficulty", "topic")
-
-#: At most this many bad-row messages are kept in a report (the count is always exact).
-MAX_REPORTED_ERRORS = 100
-
-
-class PrepareError(ValueError):
-    """A data preparation error: bad input, a checksum/row-count mismatch or a bad parameter."""
 
 
 # ----------------------------------------------------------------------------------- records
@@ -165,22 +145,6 @@ def repair_aime25_problem(problem: str) -> tuple[str, dict[str, int]]:
     counts = {"\\f": problem.count("\x0c"), "\\t": problem.count("\t")}
     repaired = problem.replace("\x0c", "\\f").replace("\t", "\\t")
     return repaired, {k: v for k, v in counts.items() if v}
-
-
-def answer_str(value: Any) -> str:
-    """A gold answer as a string: str stripped, int as is, integral float as int (``27.0`` ->
-    ``"27"``), other floats with ``repr``. Raises ``ValueError`` for anything else or empty."""
-    if isinstance(value, bool):
-        raise ValueError(f"answer must be a string or a number, got {value!r}")
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"answer is not finite: {value!r}")
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, str) and value.strip():
-        return value.strip()
-    raise ValueError(f"answer must be a non-empty string or a number, got {value!r}")
 
 
 def _int_str(answer: str) -> str:
@@ -264,141 +228,10 @@ BENCHMARKS: dict[str, Normaliser] = {
 }
 
 
-# -------------------------------------------------------------------------- reading/checking
-
-
-@dataclass
-class StageReport:
-    """Counts for one input of a stage, written into the stage's ``report.json``."""
-
-    input: str
-    rows_in: int = 0
-    rows_out: int = 0
-    skipped: int = 0
-    errors: list[str] = field(default_factory=list)
-
-    def bad(self, msg: str, skip_bad: bool) -> None:
-        """Raise :class:`PrepareError` with ``msg``, or count it when ``skip_bad``."""
-        if not skip_bad:
-            raise PrepareError(msg)
-        self.skipped += 1
-        if len(self.errors) < MAX_REPORTED_ERRORS:
-            self.errors.append(msg)
-        logger.warning("skipped: %s", msg)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready counts (``errors`` holds at most :data:`MAX_REPORTED_ERRORS` messages)."""
-        return {
-            "input": self.input, "rows_in": self.rows_in, "rows_out": self.rows_out,
-            "skipped": self.skipped, "errors": list(self.errors),
-        }
-
-
-def _count_rows(path: PathLike) -> int:
-    """Non-blank lines of a JSONL file (the rows, good or bad)."""
-    with open(path, "rb") as fh:
-        return sum(1 for raw in fh if raw.strip())
-
-
-def verify_input(
-    path: PathLike, *, sha256: str | None, rows: int | None, name: str | None = None
-) -> tuple[str, int]:
-    """Check a file's sha256 and row count (non-blank lines) against the expected values.
-
-    ``None`` skips a check (a warning is logged). Raises :class:`PrepareError` naming the file
-    (``name``, default the path), the expected and the actual value on a mismatch, or if the
-    file does not exist. Returns ``(sha256, rows)`` as found.
-    """
-    shown = name or os.fspath(path)
-    if not Path(path).is_file():
-        raise PrepareError(f"{shown}: input file not found ({os.fspath(path)})")
-    got_sha, got_rows = file_sha256(path), _count_rows(path)
-    if sha256 is None:
-        logger.warning("%s: no expected sha256 given, not checked (sha256 %s)", shown, got_sha)
-    elif got_sha != sha256.lower():
-        raise PrepareError(f"{shown}: sha256 mismatch: expected {sha256}, got {got_sha}")
-    if rows is None:
-        logger.warning("%s: no expected row count given, not checked (%d rows)", shown, got_rows)
-    elif got_rows != rows:
-        raise PrepareError(f"{shown}: row count mismatch: expected {rows} rows, got {got_rows}")
-    return got_sha, got_rows
-
-
-def iter_jsonl(
-    path: PathLike, report: StageReport, skip_bad: bool, name: str | None = None
-) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, object)`` per non-blank line (1-based; a UTF-8 BOM is dropped).
-
-    A line that is not valid UTF-8 or JSON, or not a JSON object, raises
-    ``PrepareError("<name>:<line>: ...")``, or is counted in ``report`` when ``skip_bad``
-    (the reader is :func:`saopd.io.iter_jsonl_objects`).
-    """
-    return iter_jsonl_objects(path, lambda msg: report.bad(msg, skip_bad), name=name)
-
-
-# ------------------------------------------------------------------------------------- params
-
-
-def load_params(path: PathLike) -> dict[str, Any]:
-    """Read a YAML params file (a mapping at the top level)."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            params = yaml.safe_load(fh)
-    except FileNotFoundError:
-        raise PrepareError(f"params file not found: {os.fspath(path)}") from None
-    if not isinstance(params, dict):
-        raise PrepareError(f"{os.fspath(path)}: expected a mapping at the top level")
-    return params
-
-
-def param_section(params: Mapping[str, Any], key: str, where: str) -> dict[str, Any]:
-    value = params.get(key)
-    if not isinstance(value, dict):
-        raise PrepareError(f"{where}: missing or invalid section {key!r} (expected a mapping)")
-    return value
-
-
-def require_param(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in cfg:
-        raise PrepareError(f"{where}: missing parameter {key!r}")
-    return cfg[key]
-
-
-def optional_int_param(cfg: Mapping[str, Any], key: str, where: str) -> int | None:
-    value = cfg.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PrepareError(f"{where}: {key!r} must be an int >= 0 or null, got {value!r}")
-    return value
-
-
-def flag_param(cfg: Mapping[str, Any], key: str, where: str) -> bool:
-    """A boolean parameter (default ``False``); a YAML string like ``"false"`` is an error."""
-    value = cfg.get(key, False)
-    if not isinstance(value, bool):
-        raise PrepareError(f"{where}: {key!r} must be true or false, got {value!r}")
-    return value
-
-
-def instruction_param(cfg: Mapping[str, Any], where: str) -> str | None:
-    """The ``instruction`` parameter: a string, or null/empty for the bare problem."""
-    value = cfg.get("instruction", DEFAULT_INSTRUCTION)
-    if value is not None and not isinstance(value, str):
-        raise PrepareError(f"{where}: 'instruction' must be a string or null, got {value!r}")
-    return value
-
-
-def resolve_path(root: Path, value: Any, where: str) -> Path:
-    if not isinstance(value, str) or not value:
-        raise PrepareError(f"{where}: expected a path string, got {value!r}")
-    path = Path(value)
-    return path if path.is_absolute() else root / path
-
-
 # ------------------------------------------------------------------------------ prepare_eval
 
 
+@STAGES.register("prepare_eval")
 def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, Any]:
     """Stage ``prepare_eval``: normalise every benchmark of ``params["prepare_eval"]``.
 
@@ -428,7 +261,8 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
         shown = require_param(bcfg, "path", bwhere)
         path = resolve_path(root, shown, f"{bwhere}.path")
         sha, n_rows = verify_input(
-            path, sha256=bcfg.get("sha256"), rows=optional_int_param(bcfg, "rows", bwhere), name=shown
+            path, sha256=bcfg.get("sha256"), rows=optional_int_param(bcfg, "rows", bwhere),
+            name=shown,
         )
         report = StageReport(input=shown, rows_in=n_rows)
         records: list[dict[str, Any]] = []
@@ -467,38 +301,7 @@ def prepare_eval(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, A
     return result
 
 
-def shown_path(path: Path, root: Path) -> str:
-    """``path`` relative to ``root`` when it lies below it (reports stay machine-independent)."""
-    try:
-        return path.resolve().relative_to(root.resolve()).as_posix()
-    except ValueError:
-        return os.fspath(path)
-
-
 # ----------------------------------------------------------------------------- prepare_train
-
-
-def _sample_rank(seed: int, key: str, index: int) -> tuple[str, int]:
-    """Sort key of the seeded sample: sha256 of ``"<seed>\\x1f<key>"``, then the index."""
-    return hashlib.sha256(f"{seed}\x1f{key}".encode()).hexdigest(), index
-
-
-def seeded_sample(keyed: Iterable[tuple[int, str]], fraction: float, seed: int) -> list[int]:
-    """The indices of a seeded ``fraction`` of ``(index, key)`` pairs, in increasing order.
-
-    Of the ``n`` pairs, ``round(fraction * n)`` are kept: those with the smallest sha256 of
-    ``"<seed>\\x1f<key>"`` (ties by index). The sample thus depends only on the seed and the
-    keys (not on the Python/NumPy version or the row order), and a row's membership does not
-    change when unrelated rows are added (beyond the count). The one sampler of the data stages
-    (DeepMath, VERO-600K, MMRL30k). Raises :class:`PrepareError` for ``fraction`` outside
-    ``(0, 1]``.
-    """
-    if not 0.0 < fraction <= 1.0:
-        raise PrepareError(f"fraction must be in (0, 1], got {fraction!r}")
-    pairs = list(keyed)
-    k = round(fraction * len(pairs))
-    ranked = sorted(pairs, key=lambda item: _sample_rank(seed, item[1], item[0]))
-    return sorted(index for index, _ in ranked[:k])
 
 
 def deepmath_records(
@@ -605,6 +408,7 @@ def _sample_args(dm: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise PrepareError(f"{where}: invalid min_difficulty/fraction/seed ({e})") from e
 
 
+@STAGES.register("prepare_train")
 def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, Any]:
     """Stage ``prepare_train``: write the training prompts from ``params["prepare_train"]``.
 
@@ -652,8 +456,8 @@ def prepare_train(params: Mapping[str, Any], root: PathLike = ".") -> dict[str, 
             raise PrepareError(f"{where}.local.format must be 'gsm8k' or 'deepmath', got {fmt!r}")
         logger.info("prepare_train: source=local (%s, format %s)", shown, fmt)
         sha, n_rows = verify_input(
-            path, sha256=lcfg.get("sha256"), rows=optional_int_param(lcfg, "rows", f"{where}.local"),
-            name=shown,
+            path, sha256=lcfg.get("sha256"),
+            rows=optional_int_param(lcfg, "rows", f"{where}.local"), name=shown,
         )
         extra.update({"format": fmt, "input_sha256": sha})
         report = StageReport(input=shown, rows_in=n_rows)
@@ -700,62 +504,3 @@ def _gsm8k_local(
                     {"line": int(rec.id.rsplit("-", 1)[1])})
         for rec in recs
     ]
-
-
-# ------------------------------------------------------------------------------------ command
-
-
-def _run_stage(stage: str, params: Mapping[str, Any], root: Path) -> dict[str, Any]:
-    if stage == "prepare_eval":
-        return prepare_eval(params, root)
-    if stage == "prepare_vlm":  # rendered images for vision-language OPD (needs Pillow)
-        from saopd.stages.synth_vqa import SynthError, prepare_vlm
-
-        try:
-            return prepare_vlm(params, root)
-        except SynthError as e:
-            raise PrepareError(str(e)) from e
-    if stage == "prepare_vlm_eval":  # the paper's VLM benchmarks (hub or a local export)
-        from saopd.stages.paper_vlm import prepare_vlm_eval
-
-        return prepare_vlm_eval(params, root)
-    if stage.startswith("prepare_vlm_"):  # the paper's VLM training prompts
-        from saopd.stages.paper_vlm import prepare_vlm_train
-
-        return prepare_vlm_train(params, root, stage)
-    return prepare_train(params, root)
-
-
-def _canonical_error() -> type[Exception]:
-    """``saopd.stages.prepare.PrepareError``: the class the stage modules raise. Under ``python -m
-    saopd.stages.prepare`` this file runs as ``__main__``, whose ``PrepareError`` is another class."""
-    from saopd.stages.prepare import PrepareError as canonical
-
-    return canonical
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m saopd.stages.prepare <stage> --params FILE`` (a stage of
-    :data:`STAGES`).
-
-    Exits 1 with a one-line ``error: ...`` on a :class:`PrepareError`.
-    """
-    parser = argparse.ArgumentParser(
-        prog="python -m saopd.stages.prepare", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("stage", choices=STAGES)
-    parser.add_argument("--params", default="params.yaml",
-                        help="YAML params file; relative paths in it are taken from its folder")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    params_path = Path(args.params)
-    try:
-        _run_stage(args.stage, load_params(params_path), params_path.resolve().parent)
-    except (PrepareError, _canonical_error()) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
