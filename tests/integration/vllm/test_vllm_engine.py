@@ -113,7 +113,7 @@ def test_bad_engine_options(tok, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"holds no config\.json"):
         VLLMEngine(tmp_path, tok)
     model = _model(tok, 1)
-    for kwargs, match in [({"sleep_level": 3}, r"sleep_level must be 1 or 2"),
+    for kwargs, match in [({"sleep_level": 3}, r"sleep_level must be one of \[1, 2\], got 3"),
                           ({"gpu_memory_utilization": 0.0}, r"gpu_memory_utilization must be"),
                           ({"weight_bucket_mb": 0}, r"weight_bucket_mb must be an int >= 1"),
                           ({"dtype": "int8"}, r"dtype must be one of"),
