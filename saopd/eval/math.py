@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from math_verify import parse, verify
 
-from saopd.latex import match_brace
+from saopd.latex import last_boxed, match_brace
 
 __all__ = [
     "MAX_ANSWER_CHARS",
@@ -88,33 +88,14 @@ for _name in ("math_verify.parser", "math_verify.grader"):
 # Extraction
 # --------------------------------------------------------------------------------------------
 
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?", re.IGNORECASE)
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)")
 _TRAILING_JUNK = " \t\r\n.,;:!*"
 
 
-def _boxed_content(text: str, start: int) -> str | None:
-    """Content of the ``\\boxed``/``\\fbox`` command whose name ends at ``start``."""
-    i = start
-    while i < len(text) and text[i] in " \t":
-        i += 1
-    if i < len(text) and text[i] == "{":
-        close = match_brace(text, i)
-        return None if close is None else text[i + 1 : close]
-    if i > start:  # "\boxed 5$" (no braces): up to the closing "$" or the end of the line
-        return re.split(r"[$\n]", text[i:], maxsplit=1)[0]
-    return None
-
-
 def _strip_answer(ans: str) -> str:
     """Trims whitespace, markdown bold and trailing punctuation around a prose answer."""
     return ans.strip().lstrip("*").rstrip(_TRAILING_JUNK).strip()
-
-
-def _strip_boxed(ans: str) -> str:
-    """Trims whitespace and a trailing full stop inside a box (``5!`` keeps its factorial)."""
-    return ans.strip().rstrip(" \t\r\n.").strip()
 
 
 def _strip_math_delimiters(ans: str) -> str:
@@ -124,25 +105,6 @@ def _strip_math_delimiters(ans: str) -> str:
         if ans.startswith(left) and ans.endswith(right) and len(ans) >= len(left) + len(right):
             return ans[len(left) : len(ans) - len(right)].strip()
     return ans
-
-
-def _last_boxed(text: str) -> str | None:
-    for m in reversed(list(_BOX_RE.finditer(text))):
-        content = _boxed_content(text, m.end())
-        if content is None:
-            continue
-        content = _strip_boxed(content)
-        while True:  # \boxed{\boxed{5}}
-            inner = _BOX_RE.match(content)
-            if inner is None:
-                break
-            nested = _boxed_content(content, inner.end())
-            if nested is None:
-                break
-            content = _strip_boxed(nested)
-        if content:
-            return content
-    return None
 
 
 def _after_answer_is(tail: str) -> str:
@@ -170,7 +132,7 @@ def extract_answer(response: str | None) -> str | None:
         return None
     text = response[-MAX_RESPONSE_CHARS:]
     if "\\boxed" in text or "\\fbox" in text:
-        boxed = _last_boxed(text)
+        boxed = last_boxed(text)
         if boxed:
             return boxed
     pos = text.rfind("####")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import importlib.util
 import json
 import os
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from saopd.io import build_folder_once
+from saopd.io import build_folder_once, file_sha256
 from saopd.models.tokenizers import saopd_cache_root
 
 __all__ = ["SMOLLM2_ALIAS", "SMOLLM2_CHAT_TEMPLATE", "SMOLLM2_DEFAULT_SYSTEM",
@@ -112,14 +111,6 @@ def smollm2_135m_instruct(cache_dir: str | os.PathLike | None = None) -> Path:
     return folder
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _convert_smollm2(out_dir: Path) -> None:
     """GGUF -> fresh model from the config -> state dict -> save_pretrained -> reload and verify."""
     from safetensors.torch import save_file
@@ -176,7 +167,7 @@ def _convert_smollm2(out_dir: Path) -> None:
     )
     record = {
         "source": str(gguf),
-        "source_sha256": _file_sha256(gguf),
+        "source_sha256": file_sha256(gguf),
         "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
         "verify_prompt": text,

@@ -234,7 +234,7 @@ class HFGenerateEngine:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
-        batch_size: int | None = None,
+        batch_size: int | None = HFRolloutConfig.batch_size,
         max_prompt_length: int | None = None,
         prompt_truncation: str = "truncate",
         greedy: bool = False,

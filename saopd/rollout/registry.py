@@ -65,7 +65,7 @@ class EngineSetup:
     """
 
     max_prompt_length: int | None = None
-    prompt_truncation: str = "error"
+    prompt_truncation: str = "truncate"
     seed: int = 0
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     processor: Any | None = None

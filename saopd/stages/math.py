@@ -46,13 +46,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from saopd.io import PathLike, write_json_atomic, write_jsonl_atomic
-from saopd.latex import match_brace
+from saopd.latex import last_boxed
 from saopd.stages.common import (
     MAX_REPORTED_ERRORS,
     STAGES,
@@ -75,7 +74,6 @@ __all__ = [
     "BENCHMARKS",
     "DEEPMATH_COLUMNS",
     "deepmath_records",
-    "last_boxed",
     "make_record",
     "prepare_eval",
     "prepare_train",
@@ -118,21 +116,6 @@ def make_record(
         "source": source,
         "metadata": dict(metadata or {}),
     }
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text``, stripped; ``None`` if there is none.
-
-    Braces are matched with a depth counter, so nested groups (``\\boxed{\\frac{a}{b}}``) are
-    kept whole; a backslash escapes the next character (``\\{``, ``\\}`` and ``\\\\`` do not
-    count). Returns ``None`` when the last ``\\boxed{`` is never closed.
-    """
-    starts = [m.end() for m in re.finditer(r"\\boxed\s*\{", text)]
-    if not starts:
-        return None
-    start = starts[-1]  # just after the opening brace
-    close = match_brace(text, start - 1)
-    return None if close is None else text[start:close].strip()
 
 
 def repair_aime25_problem(problem: str) -> tuple[str, dict[str, int]]:

@@ -22,11 +22,11 @@ import yaml
 
 import saopd.io
 from saopd.io import encode_json_line, write_jsonl_atomic
+from saopd.latex import last_boxed
 from saopd.stages.common import DEFAULT_INSTRUCTION, PrepareError, load_params
 from saopd.stages.math import (
     BENCHMARKS,
     DEEPMATH_COLUMNS,
-    last_boxed,
     prepare_eval,
     prepare_train,
     repair_aime25_problem,
