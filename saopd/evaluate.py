@@ -31,7 +31,14 @@ import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import register_schema
 from saopd.config.eval import EvalConfig
 from saopd.config.model import ModelConfig
+from saopd.eval.benchmarks import BENCHMARKS
+from saopd.eval.runner import evaluate_benchmark, load_benchmark
+from saopd.io import write_jsonl_atomic
+from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root
+from saopd.rollout.base import SamplingParams
+from saopd.rollout.registry import build_engine
+from saopd.tracking import default_tracking_uri, local_artifact_location, store_lock
 
 if TYPE_CHECKING:
     from saopd.rollout.base import SamplingParams
@@ -68,8 +75,6 @@ def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
 
 def _build(cfg: ModelConfig) -> tuple[Any, Any, Any]:
     """Model, tokenizer and (for vision-language models) processor, else None."""
-    from saopd.models.factory import build_model, build_vlm
-
     if cfg.is_vision:
         model, processor = build_vlm(cfg)
         return model, processor.tokenizer, processor
@@ -105,9 +110,6 @@ def benchmark_sampling(conf: EvalConfig, name: str) -> SamplingParams:
     ``k_per_benchmark[name]``, else ``k``; ``max_new_tokens[name]``), temperature, top-p and
     seed from ``conf``. Raises ``ValueError`` for an unknown name (listing the registered ones).
     """
-    from saopd.eval.benchmarks import BENCHMARKS
-    from saopd.rollout.base import SamplingParams
-
     record = BENCHMARKS.get(name)
     k = conf.k_per_benchmark.get(name, record.k if conf.k is None else conf.k)
     return SamplingParams(n=k, temperature=conf.temperature, top_p=conf.top_p,
@@ -122,10 +124,6 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     """
     from tqdm.auto import tqdm
 
-    from saopd.eval.benchmarks import BENCHMARKS
-    from saopd.eval.runner import evaluate_benchmark, load_benchmark
-    from saopd.io import write_jsonl_atomic
-    from saopd.rollout.registry import build_engine
 
     conf: EvalConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     for name in (*conf.benchmarks, *conf.k_per_benchmark, *conf.max_new_tokens):
@@ -191,7 +189,6 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
     (created if missing; in a local SQLite store with its artifacts beside the store file)."""
     import mlflow
 
-    from saopd.tracking import default_tracking_uri, local_artifact_location, store_lock
 
     uri = tracking_uri or default_tracking_uri(repo_root())
     client = mlflow.MlflowClient(uri)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from saopd.analysis.token_view import TokenRow, token_rows_from_batch
+from saopd.analysis.token_view import TokenRow, decode_tokens, token_rows_from_batch
 
 __all__ = [
     "RECORD_VERSION",
@@ -92,7 +92,6 @@ class ResponseRecord:
         if tokens is None:
             if tokenizer is None:
                 raise ValueError("this record holds no token texts: pass the run's tokenizer")
-            from saopd.analysis.token_view import decode_tokens
 
             tokens = decode_tokens(tokenizer, self.response_ids)
         return TokenRow(prompt=self.prompt, tokens=list(tokens), a_full=list(self.a_full),

@@ -44,6 +44,7 @@ from saopd.contexts.batch import (
     resolve_pad_id,
 )
 from saopd.contexts.text import as_id_list, check_collate_args, residual_start_token_id
+from saopd.models.vlm import vision_special_ids, vision_token_ids
 from saopd.prompts.render import leading_system
 from saopd.prompts.vision import VisionPrompt, encode_prompt, image_token_count, message_parts
 from saopd.validation import check_choice
@@ -239,7 +240,6 @@ def collate_vision_contexts(
     """
     check_choice("remove", remove, VISION_RESIDUAL_MODES)
     check_collate_args(messages, responses, prompt_ids, residual=residual, truncation=truncation)
-    from saopd.models.vlm import vision_special_ids, vision_token_ids
 
     tok_ids = vision_token_ids(processor)
     vision_set = vision_special_ids(processor)

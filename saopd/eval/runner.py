@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from saopd.eval.benchmarks import BENCHMARKS
-from saopd.prompts.text import gsm8k_records, load_jsonl
+from saopd.eval.grading import grade_many
+from saopd.eval.math import extract_answer
+from saopd.eval.mmifeval import grade_mmifeval
+from saopd.eval.vision import grade_vision
+from saopd.prompts.text import GSM8K_DIR, gsm8k_records, load_jsonl
+from saopd.prompts.vision import message_images, read_vision_rows
 from saopd.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -103,8 +108,6 @@ def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
     """
     record = BENCHMARKS.get(name)
     if record.file is None:
-        from saopd.prompts.text import GSM8K_DIR
-
         records, _ = gsm8k_records(GSM8K_DIR / "test.jsonl", limit=limit, skip_bad=skip_bad)
         return [EvalProblem(r.id, r.messages, r.answer or "", "gsm8k") for r in records]
     path = Path(os.path.normpath(Path(data_dir) / record.file))
@@ -130,8 +133,6 @@ def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
 def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
                      ) -> list[EvalProblem]:
     """Rows with images: messages validated, image paths made absolute (``file:line`` errors)."""
-    from saopd.prompts.vision import read_vision_rows
-
     rows, _ = read_vision_rows(path, limit=limit, skip_bad=skip_bad, required=REQUIRED_FIELDS)
     return [EvalProblem(str(r["id"]), r["messages"], str(r["answer"]), r.get("source", name),
                         dict(r.get("metadata") or {})) for r in rows]
@@ -156,8 +157,6 @@ def _math_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProbl
 
     A row with a ``metadata["format"]`` belongs to a ``vision``/``mmifeval`` benchmark: refused
     (``ValueError``) rather than graded as math."""
-    from saopd.eval.grading import grade_many
-
     formatted = sorted({str(problems[s["id"]].metadata["format"]) for s in samples
                         if problems[s["id"]].metadata.get("format") is not None})
     if formatted:
@@ -172,8 +171,6 @@ def _vision_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalPro
                    ) -> list[float | None]:
     """Rows with a format by :func:`saopd.eval.vision.grade_vision` (in-process; sets the
     sample's ``extracted``), rows without one by :func:`_math_scores`."""
-    from saopd.eval.vision import grade_vision
-
     scores: list[float | None] = [None] * len(samples)
     math_idx = []
     for i, s in enumerate(samples):
@@ -197,9 +194,6 @@ def _mmifeval_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalP
                      ) -> list[float | None]:
     """:func:`saopd.eval.mmifeval.grade_mmifeval` per sample (None when nothing could be graded;
     the sample gets ``constraints`` and ``ungraded_constraints``)."""
-    from saopd.eval.mmifeval import grade_mmifeval
-    from saopd.prompts.vision import message_images
-
     scores: list[float | None] = []
     for s in samples:
         problem = problems[s["id"]]
@@ -253,8 +247,6 @@ def evaluate_benchmark(
     the mean over problems with a graded sample. ``judge`` grades MM-IFEval's
     judge-only constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`).
     """
-    from saopd.eval.math import extract_answer
-
     BENCHMARKS.get(name)  # an unknown name fails here, before any sampling
     samples: list[dict[str, Any]] = []
     unfinished = 0

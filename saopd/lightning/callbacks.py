@@ -9,7 +9,19 @@ from typing import Any
 
 import lightning as L
 
+from saopd.analysis.token_records import (
+    prompt_text,
+    record_path,
+    save_step_record,
+    step_record_from_view,
+)
+from saopd.analysis.token_view import render_token_view, token_rows_from_batch
+from saopd.config.rollout import HFRolloutConfig
+from saopd.eval.benchmarks import BENCHMARKS
+from saopd.eval.runner import evaluate_benchmark
+from saopd.io import write_jsonl_atomic
 from saopd.rollout.base import RolloutEngine, SamplingParams
+from saopd.rollout.registry import build_engine
 
 
 class RolloutCallback(L.Callback):
@@ -80,13 +92,6 @@ class TokenViewCallback(L.Callback):
         if view is None or done % self.every_n_steps != 0 or not trainer.is_global_zero:
             return  # data-parallel: rank 0 writes its rows (other ranks would race on the files)
         step = done - 1  # the step index its metrics are logged under (0-based)
-        from saopd.analysis.token_records import (
-            prompt_text,
-            record_path,
-            save_step_record,
-            step_record_from_view,
-        )
-        from saopd.analysis.token_view import render_token_view, token_rows_from_batch
 
         tok = pl_module.tokenizer
         prompts = [prompt_text(m) for m in view["messages"]]
@@ -131,8 +136,6 @@ class EvalCallback(L.Callback):
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
                  grade_workers: int | None = None) -> None:
-        from saopd.eval.benchmarks import BENCHMARKS
-
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         for name in problems:  # an unknown name fails now, not at the first evaluation
@@ -149,10 +152,6 @@ class EvalCallback(L.Callback):
         done = trainer.global_step
         if done % self.every_n_steps != 0:
             return
-        from saopd.config.rollout import HFRolloutConfig
-        from saopd.eval.runner import evaluate_benchmark
-        from saopd.io import write_jsonl_atomic
-        from saopd.rollout.registry import build_engine
 
         step = done - 1
         contexts = pl_module.contexts

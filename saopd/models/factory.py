@@ -11,6 +11,13 @@ from saopd.config.model import TINY_VLM_KINDS, ModelConfig
 from saopd.models.loading import load_causal_lm, load_tokenizer
 from saopd.models.pruning import prune_layers
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
+from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
+from saopd.models.vlm import (
+    check_model_matches_processor,
+    check_same_processor,
+    load_vlm,
+    load_vlm_processor,
+)
 from saopd.models.vocab import VocabularyReport, check_same_vocabulary
 from saopd.registry import Registry
 
@@ -62,9 +69,6 @@ def build_vlm(cfg: ModelConfig) -> tuple[PreTrainedModel, Any]:
     (:func:`~saopd.models.vlm.check_model_matches_processor`).
     Raises ``ValueError`` for a text-only config.
     """
-    from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
-    from saopd.models.vlm import check_model_matches_processor, load_vlm, load_vlm_processor
-
     if not cfg.is_vision:
         raise ValueError("build_vlm needs a vision-language model config (model.vision: true or "
                          f"model.tiny in {list(TINY_VLM_KINDS)})")
@@ -118,8 +122,6 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
     and every pair must share one vocabulary (:func:`check_same_vocabulary`). Raises
     ``ValueError`` saying which check failed.
     """
-    from saopd.models.vlm import check_same_processor
-
     if student_cfg.is_vision != teacher_cfg.is_vision:
         raise ValueError("student and teacher must both be vision-language models or both text "
                          f"models (student vision: {student_cfg.is_vision}, teacher vision: "

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from saopd.config.model import TINY_VLM_KINDS
+from saopd.models.tiny import tiny_tokenizer
+from saopd.models.tokenizers import qwen_tokenizer
 from saopd.models.vlm import (
     QWEN_VL_CHAT_TEMPLATE,
     VISION_SPECIAL_TOKENS,
@@ -34,13 +36,9 @@ def tiny_vlm_tokenizer(kind: str = "tiny") -> PreTrainedTokenizerBase:
     official ids 151652-151656.
     """
     if kind == "tiny":
-        from saopd.models.tiny import tiny_tokenizer
-
         tok = tiny_tokenizer()
         tok.add_tokens(list(VISION_SPECIAL_TOKENS), special_tokens=True)
     elif kind == "qwen":
-        from saopd.models.tokenizers import qwen_tokenizer
-
         tok = qwen_tokenizer()
     else:
         raise ValueError(f"tiny VLM tokenizer must be 'tiny' or 'qwen', got {kind!r}")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saopd.models.loading import from_pretrained, resolve_dtype, resolve_source
+from saopd.models.loading import from_pretrained, load_tokenizer, resolve_dtype, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -209,7 +209,6 @@ def load_vlm_processor(
         Qwen2VLImageProcessorPil,
     )
 
-    from saopd.models.loading import load_tokenizer
 
     source = resolve_source(name_or_path, None, kind="model")
     config = from_pretrained(AutoConfig, source, ("config.json",), revision,

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset, Sampler
 
 from saopd.choices import LONG_PROMPT_MODES
 from saopd.config.data import GSM8K_INSTRUCTION
-from saopd.io import iter_jsonl_objects
+from saopd.io import PathLike, iter_jsonl_objects
 from saopd.prompts.render import render_prompt_ids
 from saopd.validation import check_choice
 
@@ -59,7 +59,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PathLike = str | os.PathLike[str]
+
 
 #: Suffix appended (after one space) to every GSM8K question; verl's ``gsm8k.py`` preprocessing
 #: uses the same wording. It asks for GSM8K's native ``#### <answer>`` format.

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from saopd.choices import LONG_PROMPT_MODES
+from saopd.prompts.vision import has_images
 from saopd.validation import check_choice, check_fraction, check_positive
 
 Message = dict[str, Any]
@@ -164,8 +165,6 @@ def limit_prompts(
 def refuse_images(messages: Sequence[Sequence[Message]]) -> None:
     """For an engine without a processor: ``ValueError`` naming the first prompt that holds an
     image part."""
-    from saopd.prompts.vision import has_images
-
     bad = next((i for i, chat in enumerate(messages) if has_images(chat)), None)
     if bad is not None:
         raise ValueError(f"prompt {bad} holds images but the engine has no processor "

@@ -48,7 +48,11 @@ import torch
 
 from saopd.choices import LONG_PROMPT_MODES
 from saopd.config.rollout import HFRolloutConfig
+from saopd.filters.distributed import world_size
+from saopd.models.sharding import is_fsdp2
+from saopd.models.vlm import check_engine_processor, vision_special_ids, vision_token_ids
 from saopd.prompts.render import render_prompt_ids
+from saopd.prompts.vision import encode_prompt
 from saopd.rollout.base import (
     Message,
     Rollout,
@@ -189,9 +193,6 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 def _sharded_across_ranks(model: torch.nn.Module) -> bool:
     """True for an FSDP2-sharded model in a multi-rank process group."""
-    from saopd.filters.distributed import world_size
-    from saopd.models.sharding import is_fsdp2
-
     return world_size() > 1 and is_fsdp2(model)
 
 
@@ -283,8 +284,6 @@ class HFGenerateEngine:
                       chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         """Sample from chats with images through ``processor`` (a Qwen-VL processor whose
         tokenizer is the engine's); ``chat_template_kwargs`` replace the engine's when given."""
-        from saopd.models.vlm import check_engine_processor, vision_special_ids
-
         check_engine_processor(processor, self.tokenizer, "HFGenerateEngine")
         self.processor = processor
         self._vision_ids = vision_special_ids(processor)
@@ -313,8 +312,6 @@ class HFGenerateEngine:
     # generate
 
     def _encode(self, messages: Sequence[Message]) -> Any:
-        from saopd.prompts.vision import encode_prompt
-
         return encode_prompt(self.processor, messages,
                              chat_template_kwargs=self.chat_template_kwargs)
 
@@ -377,7 +374,6 @@ class HFGenerateEngine:
         with_images = [v for v in visions if v is not None and v.num_images]
         if not with_images:
             return {}
-        from saopd.models.vlm import vision_token_ids
 
         ids = vision_token_ids(self.processor)
         types = torch.zeros_like(input_ids)

@@ -83,6 +83,7 @@ import torch
 
 from saopd.choices import LONG_PROMPT_MODES, SYNC_TRANSPORTS, VLLM_DTYPES
 from saopd.config.rollout import RolloutConfig, VLLMRolloutConfig
+from saopd.models.vlm import check_engine_processor, save_processor_for_vllm, vision_special_ids
 from saopd.prompts.render import render_prompt_ids
 from saopd.prompts.vision import load_image, prompt_ids_from_sizes
 from saopd.rollout.base import (
@@ -93,6 +94,7 @@ from saopd.rollout.base import (
     limit_prompts,
     refuse_images,
 )
+from saopd.rollout.hf import default_stop_token_ids
 from saopd.rollout.registry import ENGINES, EngineSetup
 from saopd.rollout.vllm_sync import (
     canonical_weight_name,
@@ -256,8 +258,6 @@ class VLLMEngine:
         check_int("seed", seed, owner="VLLMEngine", minimum=0)
         check_int("max_images_per_prompt", max_images_per_prompt, owner="VLLMEngine")
         if processor is not None:
-            from saopd.models.vlm import check_engine_processor
-
             check_engine_processor(processor, tokenizer, "VLLMEngine")
         check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0,
                      owner="VLLMEngine")
@@ -279,16 +279,12 @@ class VLLMEngine:
         # the processor's vision special tokens (never cut, never sampled)
         self._vision_ids: frozenset[int] = frozenset()
         if processor is not None:
-            from saopd.models.vlm import vision_special_ids
-
             self._vision_ids = vision_special_ids(processor)
         if stop_token_ids is not None:
             stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
             if not stop:
                 raise ValueError("VLLMEngine.stop_token_ids must list at least one id")
         else:
-            from saopd.rollout.hf import default_stop_token_ids
-
             stop = default_stop_token_ids(tokenizer, _GenerationConfigHolder(model_dir))
         self.stop_token_ids: tuple[int, ...] = stop
         self.expected_weights: dict[str, tuple[int, ...]] = (
@@ -387,8 +383,6 @@ class VLLMEngine:
         tokenizer and the model) and its parameter names/shapes (what ``load_weights`` must
         send) are taken from the live model. ``kwargs`` go to the constructor.
         """
-        from saopd.rollout.hf import default_stop_token_ids
-
         owned = model_dir is None
         folder = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp(
             prefix="saopd-vllm-model-", dir=shm_dir()))
@@ -400,7 +394,6 @@ class VLLMEngine:
         model.save_pretrained(folder, safe_serialization=True)
         processor = kwargs.get("processor")
         if processor is not None:  # tokenizer, chat template and image settings, for vLLM
-            from saopd.models.vlm import save_processor_for_vllm
 
             save_processor_for_vllm(processor, folder, model.config.model_type)
         else:

@@ -147,7 +147,7 @@ def test_saopd_eval_gives_the_runner_the_resolved_sampling(tmp_path: Path,
     """What ``evaluate_benchmark`` receives per benchmark: the record's k and max new tokens,
     except where the config overrides them."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import saopd.eval.runner as runner
+    import saopd.evaluate as evaluate
 
     data_dir = tmp_path / "prepared"
     data_dir.mkdir()
@@ -159,7 +159,7 @@ def test_saopd_eval_gives_the_runner_the_resolved_sampling(tmp_path: Path,
         given[name] = (sampling.n, sampling.max_new_tokens)
         return BenchmarkResult(name=name, k=sampling.n, score=0.0, problems=len(problems))
 
-    monkeypatch.setattr(runner, "evaluate_benchmark", recording)
+    monkeypatch.setattr(evaluate, "evaluate_benchmark", recording)
     base = ("model=tiny_qwen3", "benchmarks=[gsm8k,math500]", "limit=1")
     run_eval(compose_eval(tmp_path, *base, "+k_per_benchmark.gsm8k=2",
                           "+max_new_tokens.math500=7", data_dir=data_dir))

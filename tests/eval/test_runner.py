@@ -106,6 +106,7 @@ def test_saopd_eval_builds_its_engine_through_the_registry(tmp_path: Path, monke
     """The default engine is HF generate, built by build_engine with the run's seed and chat
     template variables (text models get them too); the sampling is the config's."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import saopd.evaluate as evaluate
     import saopd.rollout.registry as registry
     from saopd.config.rollout import HFRolloutConfig
     from saopd.rollout.hf import HFGenerateEngine
@@ -118,7 +119,7 @@ def test_saopd_eval_builds_its_engine_through_the_registry(tmp_path: Path, monke
         calls.append((conf, setup, engine))
         return engine
 
-    monkeypatch.setattr(registry, "build_engine", recording)
+    monkeypatch.setattr(evaluate, "build_engine", recording)
     cfg = compose_eval(tmp_path, "model=tiny_qwen3", "benchmarks=[gsm8k]", "limit=2", "k=1",
                        "log_to_mlflow=false", "+max_new_tokens.gsm8k=4", "seed=3",
                        "+chat_template_kwargs.enable_thinking=false")
@@ -136,7 +137,7 @@ def test_saopd_eval_samples_with_the_engine_the_rollout_group_picks(tmp_path: Pa
                                                                    monkeypatch, qwen_tok) -> None:
     """``rollout=vllm`` reaches build_engine with its own config; the engine is closed after."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    import saopd.rollout.registry as registry
+    import saopd.evaluate as evaluate
     from saopd.config.rollout import VLLMRolloutConfig
 
     seen: list = []
@@ -152,7 +153,7 @@ def test_saopd_eval_samples_with_the_engine_the_rollout_group_picks(tmp_path: Pa
         seen.append((conf, Closing(tokenizer, problems, lambda i, j: i == 0)))
         return seen[-1][1]
 
-    monkeypatch.setattr(registry, "build_engine", fake_build)
+    monkeypatch.setattr(evaluate, "build_engine", fake_build)
     cfg = compose_eval(tmp_path, "model=tiny_qwen3", "rollout=vllm",
                        "rollout.gpu_memory_utilization=0.5", "benchmarks=[gsm8k]", "limit=2",
                        "k=1", "log_to_mlflow=false", "grade_workers=1")
@@ -216,6 +217,7 @@ def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Pat
     template variables for a text student too (the prompts it samples from carry them)."""
     from types import SimpleNamespace
 
+    import saopd.lightning.callbacks as callbacks
     import saopd.rollout.registry as registry
     from saopd.config.rollout import HFRolloutConfig
     from saopd.lightning.callbacks import EvalCallback
@@ -228,7 +230,7 @@ def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Pat
         built.append((conf, student, setup, real(conf, student, tokenizer, **setup)))
         return built[-1][-1]
 
-    monkeypatch.setattr(registry, "build_engine", recording)
+    monkeypatch.setattr(callbacks, "build_engine", recording)
     student = tiny_qwen3(tiny_tok)
     kwargs = {"enable_thinking": False}
     module = SimpleNamespace(student=student, tokenizer=tiny_tok,

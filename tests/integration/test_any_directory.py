@@ -72,6 +72,12 @@ def test_default_paths_resolve_against_the_repository(tmp_path: Path, monkeypatc
     run_dir = OmegaConf.select(cfg, "hydra.run.dir")
     assert run_dir.startswith(f"{REPO}/outputs/tiny_vlm/")
     assert OmegaConf.select(cfg, "hydra.sweep.dir").startswith(f"{REPO}/multirun/tiny_vlm/")
+    for study in sorted(p.stem for p in (REPO / "conf" / "study").glob("*.yaml")):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=["experiment=tiny", f"study={study}"],
+                          return_hydra_config=True)
+        assert OmegaConf.select(cfg, "hydra.sweep.dir").startswith(
+            f"{REPO}/multirun/{study}/tiny/"), study
 
 
 def test_saopd_root_overrides_the_repository(tmp_path: Path, monkeypatch) -> None:
