@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["ROOT_ENV", "conf_dir", "register_resolvers", "repo_root"]
+__all__ = ["ROOT_ENV", "conf_dir", "default_tracking_uri", "register_resolvers", "repo_root"]
 
 #: Environment variable that overrides the repository root.
 ROOT_ENV = "SAOPD_ROOT"
@@ -35,6 +35,14 @@ def repo_root() -> Path:
             f"{where} is not a saopd repository (no {' or '.join(missing)}); set {ROOT_ENV} to "
             "the folder that holds conf/ and pyproject.toml")
     return root
+
+
+def default_tracking_uri(root: str | os.PathLike[str] | None = None) -> str:
+    """``sqlite:///<absolute root>/mlflow.db``: the local MLflow store saopd-train, saopd-eval and
+    saopd-report use unless told otherwise (``root`` None: the repository root). Nothing is
+    created."""
+    base = repo_root() if root is None else Path(root).expanduser().resolve()
+    return f"sqlite:///{(base / 'mlflow.db').as_posix()}"
 
 
 def conf_dir() -> Path:

@@ -8,7 +8,7 @@
 
 Reads the selected runs (``--experiment``, ``--tag``, ``--run``) from the MLflow store
 (``--tracking-uri``; default ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo>/mlflow.db``,
-where ``saopd-train`` logs) and writes to ``--out`` (default ``outputs/reports/<time>``):
+where ``saopd-train`` logs) and writes to ``--out`` (default ``<repo>/outputs/reports/<time>``):
 
 - ``results.md`` / ``results.tex`` / ``results.html``: rows = methods (from each run's filter
   and objective, or its ``method`` tag), columns = the ``eval/<benchmark>/avg_at_<k>`` metrics,
@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from saopd.paths import repo_root
 
 __all__ = ["build_parser", "main", "run_report"]
 
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None,
-                     help="output folder (default outputs/reports/<YYYYmmdd-HHMMSS>)")
+                     help="output folder (default <repo>/outputs/reports/<YYYYmmdd-HHMMSS>)")
     out.add_argument("--log-to", choices=("report", "runs", "none"), default="report",
                      help="report: a new run in --report-experiment holds every file "
                           "(default); runs: that, and each source run gets its own dynamics "
@@ -168,7 +170,7 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
                      "later run of the same method and seed")
     runs, labels, seeds = runs[~dup], labels[~dup], seeds[~dup]
 
-    out = Path(args.out) if args.out else Path("outputs") / "reports" / time.strftime(
+    out = Path(args.out) if args.out else repo_root() / "outputs" / "reports" / time.strftime(
         "%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []

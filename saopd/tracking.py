@@ -41,6 +41,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from saopd.paths import default_tracking_uri
+
 __all__ = [
     "CONFIG_ARTIFACT",
     "CONFIG_HASH_TAG",
@@ -75,12 +77,6 @@ _LIGHTNING_METRIC_CHARS = re.compile(r"[^a-zA-Z0-9_/. -]+")  # what MLFlowLogger
 
 
 # ---- store and logger ---------------------------------------------------------------------------
-
-def default_tracking_uri(root: str | Path) -> str:
-    """``sqlite:///<absolute root>/mlflow.db``, the default local store (nothing is created)."""
-    path = Path(root).expanduser().resolve() / "mlflow.db"
-    return f"{_SQLITE_PREFIX}{path.as_posix()}"
-
 
 def _is_file_store(uri: str) -> bool:
     """True for ``file:`` URIs and bare paths, which MLflow maps to its refused file store."""

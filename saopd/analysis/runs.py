@@ -29,6 +29,8 @@ from typing import Any
 
 import pandas as pd
 
+from saopd.paths import default_tracking_uri
+
 __all__ = [
     "BASELINE_LABEL",
     "METHOD_ORDER",
@@ -47,7 +49,6 @@ __all__ = [
     "run_seeds",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 EVAL_METRIC = re.compile(r"^eval/(?P<bench>[^/]+)/avg_at_(?P<k>\d+)$")
 BASELINE_LABEL = "OPD"
 """The label of vanilla OPD (``filter=none``, ``objective=sampled``): the gain column's base."""
@@ -119,11 +120,10 @@ class RunQuery:
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
     """``uri``, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<repo root>/mlflow.db`` (where
-    ``saopd-train`` logs by default, :func:`saopd.tracking.default_tracking_uri`)."""
+    ``saopd-train`` logs by default, :func:`saopd.paths.default_tracking_uri`)."""
     if uri:
         return uri
-    # the same as saopd.tracking.default_tracking_uri(REPO_ROOT), without importing Lightning
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT.as_posix()}/mlflow.db"
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
 def mlflow_client(client_or_uri: Any) -> Any:

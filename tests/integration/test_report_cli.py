@@ -100,11 +100,11 @@ def test_labels_keep_apart_runs_whose_hyperparameters_differ() -> None:
 
 
 def test_default_tracking_uri_matches_training(monkeypatch: pytest.MonkeyPatch) -> None:
-    from saopd.analysis.runs import REPO_ROOT
+    from saopd.paths import repo_root
     from saopd.tracking import default_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert resolve_tracking_uri() == default_tracking_uri(REPO_ROOT)
+    assert resolve_tracking_uri() == default_tracking_uri(repo_root())
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///x.db")
     assert resolve_tracking_uri() == "sqlite:///x.db"
     assert resolve_tracking_uri("http://h:5000") == "http://h:5000"
@@ -203,3 +203,18 @@ def test_cli_figures_only_and_errors(store: Store, tmp_path: Path,
         main(["-t", "study"])  # argparse: KEY=VALUE expected
     assert "expected KEY=VALUE" in capsys.readouterr().err
     assert metric("math500") == f"eval/math500/avg_at_{K['math500']}"
+
+
+def test_default_output_folder_is_under_the_repository(store: Store, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # started from another directory, with SAOPD_ROOT naming a (stand-in) repository: the
+    # report goes to <repo>/outputs/reports/<time>, nothing into the working directory
+    repo, cwd = tmp_path / "repo", tmp_path / "elsewhere"
+    (repo / "conf").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    cwd.mkdir()
+    monkeypatch.setenv("SAOPD_ROOT", str(repo))
+    monkeypatch.chdir(cwd)
+    main(["--tracking-uri", store.uri, "-t", "study=dup", "--log-to", "none"])
+    assert [p.name for p in (repo / "outputs" / "reports").iterdir()]
+    assert not list(cwd.iterdir())
