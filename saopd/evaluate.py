@@ -20,6 +20,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,13 +65,42 @@ def load_judge(spec: str | None) -> Any:
     return judge
 
 
-def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
+def _run_config(run_dir: Path) -> DictConfig | None:
+    """The training run's saved config (``<run>/.hydra/config.yaml``), None when absent."""
     saved = run_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
+        return None
+    cfg = OmegaConf.load(saved)
+    assert isinstance(cfg, DictConfig)
+    return cfg
+
+
+def _student_from_run(run_dir: Path, fallback: ModelConfig) -> ModelConfig:
+    cfg = _run_config(run_dir)
+    if cfg is None:
         log.warning("no saved config in %s; using the model group's config", run_dir)
         return fallback
-    cfg = OmegaConf.load(saved)
     return ModelConfig(**OmegaConf.to_container(cfg.student, resolve=False))
+
+
+def eval_chat_template_kwargs(given: Mapping[str, Any], ckpt: Path | None, *,
+                              from_run: bool = True) -> dict[str, Any]:
+    """The chat-template variables ``saopd-eval`` renders prompts with.
+
+    With ``from_run`` and a training checkpoint ``ckpt`` (``<run>/checkpoints/<name>.ckpt``),
+    the run's ``data.chat_template_kwargs`` (read from ``<run>/.hydra/config.yaml``; none when
+    that file is absent), updated key by key with ``given`` (``chat_template_kwargs``); else
+    ``given`` alone. So a paper student trained in non-thinking mode (``{enable_thinking:
+    false}``) is evaluated in it too, with no option to remember.
+    """
+    out: dict[str, Any] = {}
+    cfg = _run_config(ckpt.parent.parent) if from_run and ckpt is not None else None
+    if cfg is not None:
+        saved = OmegaConf.select(cfg, "data.chat_template_kwargs", default=None)
+        if saved is not None:
+            out.update(OmegaConf.to_container(saved, resolve=True))  # type: ignore[arg-type]
+    out.update(given)
+    return out
 
 
 def _build(cfg: ModelConfig) -> tuple[Any, Any, Any]:
@@ -143,9 +173,13 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     else:
         model, tokenizer, processor = _build(conf.model)
     judge = load_judge(conf.mmifeval_judge)
+    template_kwargs = eval_chat_template_kwargs(conf.chat_template_kwargs, ckpt,
+                                                from_run=conf.chat_template_from_run)
+    if template_kwargs:
+        log.info("chat template variables: %s", template_kwargs)
     model.to(conf.device)
     engine = build_engine(conf.rollout, model, tokenizer, seed=conf.seed,
-                          chat_template_kwargs=conf.chat_template_kwargs, processor=processor)
+                          chat_template_kwargs=template_kwargs, processor=processor)
     results: dict[str, Any] = {}
     try:
         for name in conf.benchmarks:
@@ -176,7 +210,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
             close()
     average = sum(r["score"] for r in results.values()) / max(1, len(results))
     summary = {"benchmarks": results, "average": average, "step": step,
-               "checkpoint": str(ckpt) if ckpt else None, "output_dir": str(out_dir)}
+               "checkpoint": str(ckpt) if ckpt else None, "output_dir": str(out_dir),
+               "chat_template_kwargs": template_kwargs}
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if conf.log_to_mlflow:
         summary["run_id"] = _log_mlflow(conf, summary, out_dir, tracking_uri)

@@ -17,14 +17,19 @@ from saopd.train import CONF_DIR
 from tests.conftest import REPO
 
 STUDIES = {
-    "ablation_filters": {"filter": "none,random,divergence_only,ig_only,proxy_replacement,sa_opd"},
+    "ablation_filters": {"method": "opd,random,divergence_only,ig_only,proxy_replacement,sa_opd"},
     "baselines": {"method": "opd,exopd,tip,fire_opd,sa_opd"},
-    "beta_sensitivity": {"filter.beta_max": "null,0.006,0.012,0.018,0.024,0.03"},
+    "beta_sensitivity": {"filter": "sa_opd_flmr",
+                         "filter.beta_max": "0.006,0.012,0.018,0.024,0.03"},
     "p1p2_grid": {"filter.p1": "0.1,0.2,0.3", "filter.p2": "0.2,0.3,0.4"},
 }
 METHODS = {"opd": ("none", "sampled", "OPD"), "exopd": ("none", "exopd", "ExOPD"),
            "tip": ("tip", "sampled", "TIP"), "fire_opd": ("fire", "sampled", "FiRe-OPD"),
-           "sa_opd": ("sa_opd", "sampled", "SA-OPD")}
+           "sa_opd": ("sa_opd", "sampled", "SA-OPD"),
+           "random": ("random", "sampled", "Random Filter"),
+           "divergence_only": ("divergence_only", "sampled", "Divergence-only Filter"),
+           "ig_only": ("ig_only", "sampled", "Input-Groundedness-only Filter"),
+           "proxy_replacement": ("proxy_replacement", "sampled", "Proxy Replacement")}
 
 
 def _compose(*overrides: str):

@@ -93,7 +93,12 @@ class EvalConfig:
         experiment_name: the MLflow experiment of a new run (``run_id`` null).
         log_to_mlflow: log scores and files to MLflow.
         chat_template_kwargs: extra chat-template variables (``{enable_thinking: false}``:
-            Qwen3 / Qwen3.5's non-thinking mode), for text and vision-language models.
+            Qwen3 / Qwen3.5's non-thinking mode), for text and vision-language models; over the
+            training run's (``chat_template_from_run``), key by key.
+        chat_template_from_run: when ``checkpoint`` or ``run_id`` names a training run, start
+            from that run's ``data.chat_template_kwargs`` (its saved ``.hydra/config.yaml``), so
+            its student is evaluated on the prompts it was trained on (a paper student in
+            non-thinking mode stays in it); false: only ``chat_template_kwargs``.
         mmifeval_judge: ``"module:callable"`` of an LLM judge for MM-IFEval's judge-only
             constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`); null: those are reported as
             ungraded and left out of the score.
@@ -120,6 +125,7 @@ class EvalConfig:
     experiment_name: str = "eval"
     log_to_mlflow: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_from_run: bool = True
     mmifeval_judge: str | None = None
 
     def __post_init__(self) -> None:

@@ -25,9 +25,10 @@ class RolloutConfig:
         engine: the engine's registry name (``saopd.rollout.ENGINES``); set by the engine's
             YAML file (``rollout=hf`` | ``rollout=vllm``), not meant to be overridden alone.
         n: responses per prompt.
-        temperature: sampling temperature (the paper gives only evaluation sampling; training
-            uses 1.0, the on-policy distribution the objective assumes).
-        top_p: nucleus sampling (1.0 = off).
+        temperature: sampling temperature. The paper gives sampling settings for evaluation only
+            (temperature 1.0, top-p 0.95: ``saopd-eval``), none for training; 1.0 here is our
+            choice, the student's own distribution that the on-policy objective assumes.
+        top_p: nucleus sampling (1.0 = off; likewise our choice for training, not the paper's).
         max_new_tokens: response length limit.
         greedy: argmax decoding instead of sampling (debugging, evaluation).
         importance_ratio_cap: the default of the sampled objectives' ``importance_ratio_cap``

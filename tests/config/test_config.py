@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
@@ -19,7 +20,13 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
 def test_registries_and_config_groups_are_in_step() -> None:
-    assert sorted(p.stem for p in (CONF / "filter").glob("*.yaml")) == FILTERS.names()
+    """Every registered filter/objective has the file named after it; a further filter file is
+    a registered filter with other hyperparameters (``sa_opd_flmr``: SA-OPD under the bound)."""
+    names = {p.stem: yaml.safe_load(p.read_text())["name"]
+             for p in (CONF / "filter").glob("*.yaml")}
+    assert all(names.get(name) == name for name in FILTERS.names()), names
+    assert set(names.values()) == set(FILTERS.names())
+    assert names["sa_opd_flmr"] == "sa_opd"
     assert sorted(p.stem for p in (CONF / "objective").glob("*.yaml")) == OBJECTIVES.names()
 
 
