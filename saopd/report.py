@@ -29,6 +29,7 @@ exits with status 2 and a message naming the problem.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="LABEL=RUN_ID", help="a reference row shown above the methods and "
                      "not ranked, e.g. Student=<eval run>; repeat a label for several seeds")
     sel.add_argument("--include-unfinished", action="store_true",
-                     help="also FAILED and KILLED runs (default: FINISHED and RUNNING)")
+                     help="also RUNNING, FAILED and KILLED runs, flagged in their labels "
+                     "(default: FINISHED runs only; a run killed with -9 stays RUNNING)")
     sel.add_argument("--label-tag", default="method",
                      help="run tag that names a run's method when set (default: method)")
 
@@ -125,6 +127,7 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
     import pandas as pd
 
     from saopd.analysis.runs import (
+        UNFINISHED,
         NoRunsError,
         RunQuery,
         benchmark_columns,
@@ -133,12 +136,21 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
         method_labels,
         mlflow_client,
         run_seeds,
+        unfinished_runs,
     )
 
     client = mlflow_client(args.tracking_uri)
-    statuses = None if args.include_unfinished else ("FINISHED", "RUNNING")
+    statuses = None if args.include_unfinished else ("FINISHED",)
     query = RunQuery(experiments=tuple(args.experiment), tags=dict(args.tag),
                      run_ids=tuple(args.run), statuses=statuses)
+    notes: list[str] = []
+    if not args.include_unfinished:  # say what was left out: a dead run never stands in
+        left_out = unfinished_runs(client, dataclasses.replace(query, statuses=UNFINISHED))
+        if left_out:
+            notes.append(f"{sum(left_out.values())} unfinished run(s) left out ("
+                         + ", ".join(f"{n} {s}" for s, n in sorted(left_out.items()))
+                         + "; a RUNNING run may be training still or have died without being "
+                         "marked): --include-unfinished shows them, flagged")
     references: dict[str, list[str]] = {}
     for label, run_id in args.reference:
         references.setdefault(label, []).append(run_id)
@@ -155,12 +167,15 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
         raise ReportError(str(err)) from None
     runs = runs.reset_index(drop=True)
     labels = method_labels(runs, label_tag=args.label_tag)
+    unfinished = runs["status"] != "FINISHED"
+    labels[unfinished] = [f"{lab} [{st}]" for lab, st in
+                          zip(labels[unfinished], runs.loc[unfinished, "status"], strict=True)]
     for label, ids in references.items():
         labels[runs["run_id"].isin(ids)] = label
     seeds = run_seeds(runs)
-    notes: list[str] = []
 
-    # one run per (method, seed): a re-run replaces an older one
+    # one run per (method, seed): a later run of the same method and seed replaces an older one
+    # (an unfinished run has its own, flagged label: it never replaces a finished one)
     is_ref = runs["run_id"].isin(ref_ids)
     key = pd.Series([f"{lab}\0{s}" if s is not None else rid for lab, s, rid in
                      zip(labels, seeds, runs["run_id"], strict=True)], index=runs.index)

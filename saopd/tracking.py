@@ -46,7 +46,9 @@ from saopd.paths import default_tracking_uri
 __all__ = [
     "CONFIG_ARTIFACT",
     "CONFIG_HASH_TAG",
+    "STORE_LOCK_TIMEOUT_S",
     "ResumableMLFlowLogger",
+    "StoreLockTimeout",
     "default_tracking_uri",
     "flatten_params",
     "last_logged_step",
@@ -55,6 +57,7 @@ __all__ = [
     "log_resolved_config",
     "log_text_artifact",
     "make_mlflow_logger",
+    "store_lock",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,14 @@ CONFIG_HASH_TAG = "saopd.config_sha256"
 _SQLITE_PREFIX = "sqlite:///"
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")  # MLflow accepts /, word chars, '.', '-', ' ', ':'
 _LIGHTNING_METRIC_CHARS = re.compile(r"[^a-zA-Z0-9_/. -]+")  # what MLFlowLogger keeps in keys
+
+
+#: Seconds :func:`store_lock` waits for another process's lock on a SQLite store.
+STORE_LOCK_TIMEOUT_S = 120.0
+
+
+class StoreLockTimeout(TimeoutError):
+    """The lock of a local MLflow store stayed held longer than the timeout."""
 
 
 # ---- store and logger ---------------------------------------------------------------------------
@@ -207,22 +218,39 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
 
 
 @contextmanager
-def store_lock(uri: str) -> Iterator[None]:
+def store_lock(uri: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold an inter-process lock on a local SQLite store (no-op for other stores).
 
     Parallel sweep jobs (``hydra/launcher=joblib``) may open a new SQLite store at the same
     moment: its schema migration and an experiment's creation are not safe to race, so one
     process at a time opens the store and creates experiments and runs under this lock.
+
+    The lock is ``<store>.lock`` (an OS file lock: a killed holder releases it). Waiting longer
+    than ``timeout_s`` (default ``$SAOPD_STORE_LOCK_TIMEOUT`` or :data:`STORE_LOCK_TIMEOUT_S`)
+    raises :class:`StoreLockTimeout` naming the lock file, instead of hanging.
     """
     db = _sqlite_path(uri)
     if db is None:
         yield
         return
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("SAOPD_STORE_LOCK_TIMEOUT", STORE_LOCK_TIMEOUT_S))
     db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(db) + ".lock"):
+    lock = FileLock(str(db) + ".lock", timeout=timeout_s)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise StoreLockTimeout(
+            f"MLflow store {db}: its lock {lock.lock_file} is held by another process for more "
+            f"than {timeout_s:g} s (another saopd job opening the store, or a stuck one: find it "
+            f"with `fuser {lock.lock_file}`); set SAOPD_STORE_LOCK_TIMEOUT to wait longer"
+        ) from None
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def _reopen_run(logger: MLFlowLogger, run_id: str) -> None:

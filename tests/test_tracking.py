@@ -229,3 +229,32 @@ def test_trainer_logs_through_the_logger(store):
     assert run.info.status == "FINISHED" and run.data.params["lr"] == "0.1"
     assert sorted(m.step for m in client.get_metric_history(logger.run_id, "train/loss")) \
         == [0, 1, 2]
+
+
+def test_a_held_store_lock_times_out_naming_the_lock(tmp_path: Path) -> None:
+    # another process holds the store's lock (a job opening the store, or a stuck one): opening
+    # the store must fail with the lock's path after the timeout, never hang
+    import subprocess
+    import sys
+    import time
+
+    from saopd.tracking import StoreLockTimeout, store_lock
+
+    db = tmp_path / "mlflow.db"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+         f"lock = FileLock({str(db) + '.lock'!r}); lock.acquire(); print('held', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        held = r"mlflow\.db\.lock is held by another process"
+        with pytest.raises(StoreLockTimeout, match=held), \
+                store_lock(f"sqlite:///{db}", timeout_s=0.5):
+            pass
+        assert time.monotonic() - started < 30
+    finally:
+        holder.kill()
+        holder.wait()
+    with store_lock(f"sqlite:///{db}", timeout_s=5):  # a killed holder released it
+        pass

@@ -10,8 +10,10 @@ A run's *method* (a row of the paper's tables) comes from :func:`method_labels`:
 ``method`` tag when set (``logger.tags.method=...``), else a name from its filter and objective
 (``filter=none, objective=sampled`` -> ``OPD``, ``sa_opd`` -> ``SA-OPD``, ...) with the
 ``filter.*``/``objective.*`` params that differ between runs of that name appended, so that
-``SA-OPD (beta_max=0.018)`` and ``SA-OPD (beta_max=None)`` stay apart. Runs of one method that
-differ only in the seed are its seeds.
+``SA-OPD (beta_max=0.018)`` and ``SA-OPD (beta_max=None)`` stay apart, and so does every other
+param that changes training (``optim.lr=0.5``, ``data.path=...``, ``steps=...``: everything but
+the seed and the bookkeeping in :data:`NOT_HYPERPARAMETERS`). Runs of one method that differ only
+in the seed are its seeds.
 
 Scores: every metric ``eval/<benchmark>/avg_at_<k>`` (what ``saopd-eval`` and the training's
 ``EvalCallback`` log, as fractions in [0, 1]) is one benchmark column (:func:`benchmark_columns`);
@@ -34,6 +36,7 @@ from saopd.paths import default_tracking_uri
 __all__ = [
     "BASELINE_LABEL",
     "METHOD_ORDER",
+    "UNFINISHED",
     "BenchmarkColumn",
     "NoRunsError",
     "RunQuery",
@@ -47,6 +50,7 @@ __all__ = [
     "mlflow_client",
     "resolve_tracking_uri",
     "run_seeds",
+    "unfinished_runs",
 ]
 
 EVAL_METRIC = re.compile(r"^eval/(?P<bench>[^/]+)/avg_at_(?P<k>\d+)$")
@@ -128,11 +132,19 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
 
 def mlflow_client(client_or_uri: Any) -> Any:
     """An ``MlflowClient``: ``client_or_uri`` itself, or one on that URI (``None``:
-    :func:`resolve_tracking_uri`)."""
+    :func:`resolve_tracking_uri`).
+
+    A ``sqlite:///`` URI must name an existing database: reading runs never creates an empty
+    store at a mistyped path (``ValueError`` naming it)."""
     if client_or_uri is None or isinstance(client_or_uri, str):
         from mlflow import MlflowClient
 
-        return MlflowClient(resolve_tracking_uri(client_or_uri))
+        uri = resolve_tracking_uri(client_or_uri)
+        db = uri[len("sqlite:///"):].split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+        if db and db != ":memory:" and not Path(db).is_file():
+            raise ValueError(f"tracking URI {uri}: no MLflow store at {db} (a typo? saopd-train "
+                             f"logs to {default_tracking_uri()} unless told otherwise)")
+        return MlflowClient(uri)
     return client_or_uri
 
 
@@ -206,6 +218,20 @@ def load_runs(client_or_uri: Any, query: RunQuery) -> pd.DataFrame:
     return frame.sort_values("start_time", kind="stable").reset_index(drop=True)
 
 
+#: Statuses of runs that did not finish (a run killed with -9 stays RUNNING).
+UNFINISHED = ("RUNNING", "FAILED", "KILLED", "SCHEDULED")
+
+
+def unfinished_runs(client_or_uri: Any, query: RunQuery) -> dict[str, int]:
+    """How many runs ``query`` selects, by status (``{}`` when none): what a report that keeps
+    only finished runs leaves out."""
+    try:
+        runs = load_runs(client_or_uri, query)
+    except NoRunsError:
+        return {}
+    return {str(k): int(v) for k, v in runs["status"].value_counts().items()}
+
+
 def _run_row(run: Any, experiment: str) -> dict[str, Any]:
     info, data = run.info, run.data
     row: dict[str, Any] = {
@@ -252,6 +278,27 @@ def run_seeds(runs: pd.DataFrame) -> pd.Series:
                      index=runs.index, dtype=object)
 
 
+#: Params that do not change what a run trains: its seed (the seeds of one method are its rows'
+#: repeats), where it writes and how it is logged, shown or checkpointed.
+NOT_HYPERPARAMETERS = ("seed", "step.seed", "resume", "experiment_name", "study", "method")
+NOT_HYPERPARAMETER_PREFIXES = ("paths.", "logger.", "eval.", "hydra.", "trainer.progress_bar",
+                               "trainer.view_every_n_steps", "trainer.checkpoint_every_n_steps",
+                               "trainer.keep_all_checkpoints")
+
+
+def _short(column: str) -> str:
+    """``params.filter.p1`` -> ``p1`` (a method's own hyperparameter), ``params.optim.lr`` ->
+    ``optim.lr``."""
+    key = column[len("params."):]
+    group, _, rest = key.partition(".")
+    return rest if group in ("filter", "objective") and rest else key
+
+
+def _is_hyperparameter(column: str) -> bool:
+    key = column[len("params."):]
+    return not (key in NOT_HYPERPARAMETERS or key.startswith(NOT_HYPERPARAMETER_PREFIXES))
+
+
 def method_labels(runs: pd.DataFrame, *, label_tag: str | None = "method") -> pd.Series:
     """A method label per run (the table's row name); see the module docstring for the rules.
 
@@ -267,15 +314,15 @@ def method_labels(runs: pd.DataFrame, *, label_tag: str | None = "method") -> pd
     base = pd.Series([method_name(f, o) for f, o in zip(filters, objectives, strict=True)],
                      index=runs.index, dtype=object)
     labels = base.copy()
-    hyper = [c for c in runs.columns if c.startswith(("params.filter.", "params.objective."))
-             and not c.endswith((".name",))]
+    hyper = [c for c in runs.columns if c.startswith("params.") and _is_hyperparameter(c)
+             and c not in ("params.filter.name", "params.objective.name")]
     for name, idx in base.groupby(base).groups.items():
         group = runs.loc[idx]
         varying = [c for c in hyper if group[c].astype(str).nunique(dropna=False) > 1]
         if not varying:
             continue
         for i in idx:
-            parts = [f"{c.split('.', 2)[2]}={runs.at[i, c]}" for c in varying]
+            parts = [f"{_short(c)}={runs.at[i, c]}" for c in varying]
             labels.at[i] = f"{name} ({', '.join(parts)})"
     if label_tag:
         own = _get(runs, f"tags.{label_tag}")

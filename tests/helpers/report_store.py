@@ -37,6 +37,8 @@ def metric(bench: str) -> str:
 RECORD_TOKENS = ["The", " cat", " sat", "."]
 RECORD_FILTERED = [False, True, False, True]
 DUP_SCORES = (0.50, 0.70)  # study=dup: OPD seed 0 twice; the later run (0.70) counts
+DEAD_SCORES = (0.60, 0.10)  # study=dead: finished 0.60, then a later killed (RUNNING) 0.10
+LR_SCORES = {"1e-06": 0.30, "0.5": 0.02}  # study=lr: OPD seed 0 at two learning rates
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Store:
     other_study_run: str = ""
     train_only_run: str = ""
     dup_runs: tuple[str, ...] = ()
+    dead_runs: tuple[str, ...] = ()  # study=dead: a finished OPD seed 0, then a killed re-run
+    lr_runs: tuple[str, ...] = ()  # study=lr: OPD seed 0 at two learning rates
 
 
 def _train_metrics(seed: int, flmr0: float) -> list[Metric]:
@@ -117,6 +121,18 @@ def make_store(tmp: Path) -> Store:
                         [Metric(metric("math500"), value, now, 1)]))
         time.sleep(0.01)  # distinct start times: the later run is the re-run
     store.dup_runs = tuple(dups)
+    dead = []
+    for value, status in zip(DEAD_SCORES, ("FINISHED", "RUNNING"), strict=True):
+        dead.append(add(exp, "dead", {"study": "dead", "filter": "none", "objective": "sampled",
+                                      "seed": "0"}, {"filter.name": "none"},
+                        [Metric(metric("math500"), value, now, 1)], status=status))
+        time.sleep(0.01)  # the killed run is the later one
+    store.dead_runs = tuple(dead)
+    store.lr_runs = tuple(
+        add(exp, f"lr-{lr}", {"study": "lr", "filter": "none", "objective": "sampled",
+                              "seed": "0"}, {"filter.name": "none", "optim.lr": lr},
+            [Metric(metric("math500"), value, now, 1)])
+        for lr, value in LR_SCORES.items())
     _log_token_record(client, store.run_ids[("SA-OPD", 0)], tmp)
     return store
 

@@ -19,8 +19,10 @@ from saopd.analysis.runs import (
 )
 from saopd.report import main
 from tests.helpers.report_store import (
+    DEAD_SCORES,
     DUP_SCORES,
     EXPERIMENT,
+    LR_SCORES,
     RUNS,
     STUDENT,
     K,
@@ -45,6 +47,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
 def _cells(markdown: str, row: str) -> list[str]:
     line = next(ln for ln in markdown.splitlines() if ln.startswith(f"| {row} |"))
     return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _value(cell: str) -> str:
+    """A table cell without its best (bold) / second-best (underlined) marks."""
+    return cell.replace("<u>", "").replace("</u>", "").strip("*")
 
 
 def _mean(method: str, bench: str) -> float:
@@ -218,3 +225,42 @@ def test_default_output_folder_is_under_the_repository(store: Store, tmp_path: P
     main(["--tracking-uri", store.uri, "-t", "study=dup", "--log-to", "none"])
     assert [p.name for p in (repo / "outputs" / "reports").iterdir()]
     assert not list(cwd.iterdir())
+
+
+def test_a_dead_run_never_stands_in_for_a_finished_one(store: Store, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    # a run killed with -9 stays RUNNING: by default it is left out (and said so); with
+    # --include-unfinished it is a row of its own, flagged, and does not replace the finished run
+    main(["--tracking-uri", store.uri, "-t", "study=dead", "--out", str(tmp_path / "a"),
+          "--log-to", "none"])
+    md = (tmp_path / "a" / "results.md").read_text()
+    assert _cells(md, "OPD")[1] == f"**{100 * DEAD_SCORES[0]:.1f}**"
+    assert "OPD [RUNNING]" not in md
+    assert "1 unfinished run(s) left out (1 RUNNING" in capsys.readouterr().err
+    main(["--tracking-uri", store.uri, "-t", "study=dead", "--out", str(tmp_path / "b"),
+          "--log-to", "none", "--include-unfinished"])
+    md = (tmp_path / "b" / "results.md").read_text()
+    assert _value(_cells(md, "OPD")[1]) == f"{100 * DEAD_SCORES[0]:.1f}"
+    assert _value(_cells(md, "OPD [RUNNING]")[1]) == f"{100 * DEAD_SCORES[1]:.1f}"
+    assert "replaced" not in capsys.readouterr().err
+
+
+def test_runs_that_differ_in_a_hyperparameter_are_separate_rows(
+        store: Store, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # two runs of one method and seed at different learning rates are not re-runs of each other
+    main(["--tracking-uri", store.uri, "-t", "study=lr", "--out", str(tmp_path / "lr"),
+          "--log-to", "none"])
+    md = (tmp_path / "lr" / "results.md").read_text()
+    for lr, value in LR_SCORES.items():
+        assert _value(_cells(md, f"OPD (optim.lr={lr})")[1]) == f"{100 * value:.1f}"
+    assert "replaced" not in capsys.readouterr().err
+
+
+def test_a_mistyped_store_is_refused_and_not_created(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "mlfow.db"
+    with pytest.raises(SystemExit) as stop:
+        main(["--tracking-uri", f"sqlite:///{missing}", "--out", str(tmp_path / "o")])
+    assert stop.value.code == 2
+    assert f"no MLflow store at {missing}" in capsys.readouterr().err
+    assert not missing.exists()
