@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
@@ -35,6 +34,7 @@ from saopd.config.model import ModelConfig
 from saopd.eval.benchmarks import BENCHMARKS
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
+from saopd.lightning.checkpoints import read_checkpoint
 from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root
 from saopd.rollout.base import SamplingParams
@@ -124,7 +124,7 @@ def _load_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, Any, in
         raise FileNotFoundError(f"checkpoint: no such file {ckpt}")
     cfg = _student_from_run(ckpt.parent.parent, model_cfg)
     model, tokenizer, processor = _build(cfg)
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state = read_checkpoint(ckpt)  # verified checksum, weights only: no pickle payload runs
     student = {k[len("student."):]: v for k, v in state["state_dict"].items()
                if k.startswith("student.")}
     missing, unexpected = model.load_state_dict(student, strict=False)

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from saopd.config.train import TrainConfig
+from saopd.lightning.checkpoints import VerifiedCheckpointIO
 from saopd.rollout.registry import num_training_processes
 
 __all__ = ["build_trainer", "checkpoint_callback", "data_parallel_size", "strategy"]
@@ -59,10 +60,12 @@ def strategy(conf: TrainConfig) -> Any:
 
 
 def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
-    """``last.ckpt`` and ``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps``."""
+    """``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps`` and ``last.ckpt``, a link
+    to the newest one (one copy on disk, not two), each with its ``.sha256``
+    (:class:`~saopd.lightning.checkpoints.VerifiedCheckpointIO`)."""
     return ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
                            every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
-                           save_last=True,
+                           save_last="link",
                            save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
                            auto_insert_metric_name=False)
 
@@ -70,7 +73,8 @@ def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
 def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
                   callbacks: list[L.Callback]) -> L.Trainer:
     """The run's ``Trainer``: ``conf.steps`` optimizer steps, one rollout batch each, logging
-    every step, no validation loop; the prompt loader splits each step's batch by rank itself."""
+    every step, no validation loop; the prompt loader splits each step's batch by rank itself;
+    checkpoints written atomically, checksummed and finite (:mod:`saopd.lightning.checkpoints`)."""
     t = conf.trainer
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
@@ -78,4 +82,5 @@ def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
         callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
         enable_progress_bar=t.progress_bar, enable_model_summary=False,
         default_root_dir=str(out_dir), use_distributed_sampler=False,
+        plugins=[VerifiedCheckpointIO()],
     )
