@@ -12,6 +12,7 @@ batch-global filter and the global loss normalisation rely on).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -80,6 +81,11 @@ class PromptDataModule(L.LightningDataModule):
         super().__init__()
         if not records:
             raise ValueError("the training prompt set is empty")
+        if prompts_per_step > len(records):
+            warnings.warn(
+                f"prompts_per_step ({prompts_per_step}) is larger than the {len(records)} "
+                "training prompts: every step's batch repeats prompts (see data.limit and "
+                "data.max_prompt_length)", UserWarning, stacklevel=2)
         self.records = list(records)
         self.prompts_per_step = prompts_per_step
         self.num_steps = num_steps

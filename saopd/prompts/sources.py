@@ -12,6 +12,7 @@ name in :data:`saopd.choices.DATA_SOURCES`, and a test.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from saopd.prompts.text import (
 )
 from saopd.prompts.vision import filter_long_vision_prompts, vision_records
 from saopd.registry import Registry
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PROMPT_SOURCES", "PromptSource", "load_prompts"]
 
@@ -73,6 +76,7 @@ def vision_source(data: DataConfig, path: Path, processor: Any = None
     return vision_records(path, limit=data.limit, skip_bad=data.skip_bad)
 
 
+_LOGGED_ERRORS = 20  # bad rows listed in the log one by one (all are counted)
 _HINTS = {"prepared": " (run `make data` / `dvc repro prepare_train`)",
           "vision": " (run `dvc repro prepare_vlm`)"}
 
@@ -94,6 +98,10 @@ def load_prompts(data: DataConfig, tokenizer: Any, processor: Any = None
     if not path.is_file():
         raise ValueError(f"data.path: no such file {path}{_HINTS.get(data.source, '')}")
     records, report = source(data, path, processor)
+    for error in report.errors[:_LOGGED_ERRORS]:  # data.skip_bad: file:line and the reason
+        log.warning("skipped: %s", error)
+    if len(report.errors) > _LOGGED_ERRORS:
+        log.warning("skipped %d more bad rows of %s", len(report.errors) - _LOGGED_ERRORS, path)
     counts = {"prompts_read": len(records), "rows_skipped_bad": report.skipped}
     limit = data.max_prompt_length
     if limit is not None and data.long_prompts != "truncate":
