@@ -43,6 +43,7 @@ __all__ = [
     "benchmark_columns",
     "column_label",
     "download_token_records",
+    "is_hyperparameter",
     "load_runs",
     "method_labels",
     "method_name",
@@ -281,9 +282,12 @@ def run_seeds(runs: pd.DataFrame) -> pd.Series:
 #: Params that do not change what a run trains: its seed (the seeds of one method are its rows'
 #: repeats), where it writes and how it is logged, shown or checkpointed.
 NOT_HYPERPARAMETERS = ("seed", "step.seed", "resume", "experiment_name", "study", "method")
-NOT_HYPERPARAMETER_PREFIXES = ("paths.", "logger.", "eval.", "hydra.", "trainer.progress_bar",
-                               "trainer.view_every_n_steps", "trainer.checkpoint_every_n_steps",
-                               "trainer.keep_all_checkpoints")
+NOT_HYPERPARAMETER_PREFIXES = (
+    "paths.", "logger.", "eval.", "hydra.", "trainer.progress_bar", "trainer.view_every_n_steps",
+    "trainer.checkpoint_every_n_steps", "trainer.keep_all_checkpoints",
+    # where and on how many devices a step runs: the data-parallel step equals one process's
+    "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
+    "trainer.process_group_backend", "trainer.activation_checkpointing")
 
 
 def _short(column: str) -> str:
@@ -294,7 +298,8 @@ def _short(column: str) -> str:
     return rest if group in ("filter", "objective") and rest else key
 
 
-def _is_hyperparameter(column: str) -> bool:
+def is_hyperparameter(column: str) -> bool:
+    """Whether the ``params.<key>`` column is a setting that changes what a run trains."""
     key = column[len("params."):]
     return not (key in NOT_HYPERPARAMETERS or key.startswith(NOT_HYPERPARAMETER_PREFIXES))
 
@@ -314,7 +319,7 @@ def method_labels(runs: pd.DataFrame, *, label_tag: str | None = "method") -> pd
     base = pd.Series([method_name(f, o) for f, o in zip(filters, objectives, strict=True)],
                      index=runs.index, dtype=object)
     labels = base.copy()
-    hyper = [c for c in runs.columns if c.startswith("params.") and _is_hyperparameter(c)
+    hyper = [c for c in runs.columns if c.startswith("params.") and is_hyperparameter(c)
              and c not in ("params.filter.name", "params.objective.name")]
     for name, idx in base.groupby(base).groups.items():
         group = runs.loc[idx]

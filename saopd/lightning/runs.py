@@ -1,0 +1,175 @@
+"""A training run's folder kept trustworthy: which checkpoint a resume continues, that the resumed
+config is the run's, that one process trains a run at a time, and a checkpoint on preemption.
+
+- :func:`find_resume`: ``resume=auto`` (the newest ``last.ckpt`` of the experiment), a run folder
+  or a checkpoint file; the file is verified (checksum, weights-only) before training starts.
+- :func:`run_folder`: where a resumed run writes: the checkpoint's run folder when the checkpoint
+  lives in one (``<run>/checkpoints/<file>`` beside the run's record), else this job's own
+  ``paths.output_dir`` (a checkpoint copied elsewhere never makes the run write beside it).
+- :func:`check_resume_config`: the resolved config of a resumed run must equal the run's in
+  every key that changes training (the seed included); differences are refused, naming the keys,
+  unless listed in ``resume_changes`` (then recorded in the run folder and on the MLflow run).
+- :class:`RunLock`: ``<run>/.saopd.lock``, held while a process trains the run; a second
+  process (two ``resume=auto`` at once) is refused instead of writing the same checkpoints.
+- :class:`PreemptionCheckpoint`: on SIGTERM (what schedulers send before preemption) the step
+  that just finished is saved as ``last.ckpt`` before Lightning stops the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from filelock import FileLock, Timeout
+from omegaconf import DictConfig, OmegaConf
+
+from saopd.analysis.runs import is_hyperparameter
+from saopd.config.train import TrainConfig
+from saopd.io import write_json_atomic
+from saopd.lightning.checkpoints import verify_checkpoint
+
+__all__ = ["RESOLVED_CONFIG", "PreemptionCheckpoint", "RunLock", "check_resume_config",
+           "find_resume", "run_folder", "training_config", "write_training_config"]
+
+log = logging.getLogger(__name__)
+
+#: The run's resolved training config (flattened ``key: value`` strings) in its folder.
+RESOLVED_CONFIG = "saopd_config.json"
+
+
+def find_resume(conf: TrainConfig) -> Path | None:
+    """The checkpoint ``conf.resume`` names, verified, or None for a fresh run.
+
+    ``auto``: the newest ``last.ckpt`` under ``<root>/outputs/<experiment_name>`` (None when
+    there is none); a folder: its ``checkpoints/last.ckpt``; else a checkpoint file. Raises
+    ``FileNotFoundError`` / ``CheckpointError`` naming the path.
+    """
+    if conf.resume in (None, "", "none"):
+        return None
+    if conf.resume == "auto":
+        runs = Path(conf.paths.root) / "outputs" / conf.experiment_name
+        found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            log.info("resume=auto: no checkpoint under %s, starting fresh", runs)
+            return None
+        path = found[-1]
+    else:
+        path = Path(conf.resume)
+        if path.is_dir():
+            path = path / "checkpoints" / "last.ckpt"
+        if not path.is_file():
+            raise FileNotFoundError(f"resume: no checkpoint at {path}")
+    verify_checkpoint(path)
+    return path
+
+
+def run_folder(ckpt: Path | None, output_dir: str | Path) -> Path:
+    """The folder a run writes to: a resumed checkpoint's run folder when it is one (the
+    checkpoint sits in ``<run>/checkpoints/`` beside the run's :data:`RESOLVED_CONFIG`), else
+    ``output_dir`` (this job's)."""
+    if ckpt is not None:
+        run = Path(ckpt).absolute().parent.parent
+        if Path(ckpt).absolute().parent.name == "checkpoints" and (run / RESOLVED_CONFIG).is_file():
+            return run
+    return Path(output_dir)
+
+
+def training_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
+    """The resolved config as ``{dotted key: value as text}``, only the keys that change
+    training (:func:`saopd.analysis.runs.is_hyperparameter`, the seed included)."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    flat: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = json.dumps(node, sort_keys=True, default=str)
+
+    walk(plain, "")
+    return {k: v for k, v in flat.items()
+            if k in ("seed", "step.seed") or is_hyperparameter(f"params.{k}")}
+
+
+def write_training_config(run: Path, config: Mapping[str, str]) -> None:
+    """Record the run's training config (:data:`RESOLVED_CONFIG`), atomically."""
+    write_json_atomic(run / RESOLVED_CONFIG, dict(config))
+
+
+def check_resume_config(run: Path, config: Mapping[str, str],
+                        allowed: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
+    """Refuse a resume whose training config differs from the run's.
+
+    Returns the differences that ``allowed`` (``resume_changes``) permits, ``{key: (run's,
+    now)}``, to be recorded. Raises ``ValueError`` naming every other differing key with both
+    values. A run folder without a recorded config (written before the check existed) is
+    resumed with a warning.
+    """
+    path = run / RESOLVED_CONFIG
+    if not path.is_file():
+        log.warning("resume: %s has no %s; the resumed config is not checked", run,
+                    RESOLVED_CONFIG)
+        return {}
+    before = json.loads(path.read_text())
+    keys = sorted(set(before) | set(config))
+    diff = {k: (before.get(k, "<absent>"), config.get(k, "<absent>")) for k in keys
+            if before.get(k) != config.get(k)}
+    refused = {k: v for k, v in diff.items() if k not in allowed}
+    if refused:
+        shown = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in refused.items())
+        raise ValueError(
+            f"resume: the config differs from the run's in what changes training ({shown}). "
+            f"Steps trained so would be credited to the run {run}. Start a new run, or list "
+            "the keys you mean to change: resume_changes=[" + ",".join(refused) + "]")
+    return {k: v for k, v in diff.items() if k in allowed}
+
+
+class RunLock:
+    """An exclusive lock on a run folder (``<run>/.saopd.lock``) while a process trains it.
+
+    ``acquire`` raises ``RuntimeError`` naming the folder when another process holds it (an OS
+    file lock: a killed holder releases it at once)."""
+
+    def __init__(self, run: Path) -> None:
+        self.run = Path(run)
+        self.lock = FileLock(str(self.run / ".saopd.lock"), timeout=0)
+
+    def acquire(self) -> RunLock:
+        self.run.mkdir(parents=True, exist_ok=True)
+        try:
+            self.lock.acquire()
+        except Timeout:
+            raise RuntimeError(
+                f"run {self.run} is being trained by another process (lock "
+                f"{self.lock.lock_file}); wait for it or stop it before resuming") from None
+        return self
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class PreemptionCheckpoint(L.Callback):
+    """On SIGTERM, save the step that just finished as ``<dirpath>/last.ckpt`` (Lightning then
+    stops the loop with ``SIGTERMException``), so a preempted job resumes where it stopped."""
+
+    def __init__(self, dirpath: Path) -> None:
+        self.dirpath = Path(dirpath)
+        self.saved: Path | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if getattr(trainer, "received_sigterm", False) and self.saved is None:
+            self.saved = self.dirpath / "last.ckpt"
+            trainer.save_checkpoint(self.saved)
+            log.warning("SIGTERM: saved step %d to %s", trainer.global_step, self.saved)

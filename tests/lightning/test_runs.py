@@ -1,0 +1,97 @@
+"""Run folders kept trustworthy: resumes continue verified checkpoints of the same config, in the
+run's own folder, one process at a time (issue 15, points 1, 6, 10, 13)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO
+from saopd.lightning.runs import (
+    RESOLVED_CONFIG,
+    RunLock,
+    check_resume_config,
+    run_folder,
+    training_config,
+    write_training_config,
+)
+
+
+def test_training_config_keeps_what_changes_training() -> None:
+    cfg = {"seed": 0, "optim": {"lr": 1e-6}, "filter": {"name": "sa_opd", "p1": 0.2},
+           "paths": {"root": "/r", "output_dir": "/o"}, "logger": {"kind": "mlflow"},
+           "resume": "auto", "trainer": {"devices": 2, "precision": "bf16-mixed"},
+           "eval": {"every_n_steps": 8}}
+    assert training_config(cfg) == {"seed": "0", "optim.lr": "1e-06",
+                                    "filter.name": '"sa_opd"', "filter.p1": "0.2",
+                                    "trainer.precision": '"bf16-mixed"'}
+
+
+def test_a_resume_with_another_method_or_lr_is_refused_naming_the_keys(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    before = training_config({"seed": 0, "optim": {"lr": 1e-3}, "filter": {"name": "sa_opd"},
+                              "objective": {"name": "sampled"}})
+    write_training_config(run, before)
+    now = training_config({"seed": 0, "optim": {"lr": 0.5}, "filter": {"name": "none"},
+                           "objective": {"name": "full_kl"}})
+    with pytest.raises(ValueError, match=r"filter\.name: \"sa_opd\" -> \"none\".*optim\.lr: "
+                                         r"0\.001 -> 0\.5.*resume_changes=\["):
+        check_resume_config(run, now)
+    assert check_resume_config(run, before) == {}
+    # changing a key on purpose is allowed when named, and reported for the record
+    lr_only = dict(before, **{"optim.lr": "0.5"})
+    assert check_resume_config(run, lr_only, allowed=("optim.lr",)) == {
+        "optim.lr": ("0.001", "0.5")}
+    with pytest.raises(ValueError, match="seed"):
+        check_resume_config(run, dict(before, seed="1"), allowed=("optim.lr",))
+
+
+def test_a_resumed_copy_elsewhere_writes_to_its_own_job_folder(tmp_path: Path) -> None:
+    run = tmp_path / "outputs" / "tiny" / "2026"
+    (run / "checkpoints").mkdir(parents=True)
+    write_training_config(run, {"seed": "0"})
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert run_folder(ckpt, tmp_path / "job") == run
+    copied = tmp_path / "tmp" / "last.ckpt"  # a checkpoint copied to the temp folder
+    copied.parent.mkdir()
+    assert run_folder(copied, tmp_path / "job") == tmp_path / "job"
+    assert run_folder(None, tmp_path / "job") == tmp_path / "job"
+    assert (run / RESOLVED_CONFIG).is_file()
+
+
+def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from saopd.lightning.runs import RunLock; "
+         f"lock = RunLock(Path({str(run)!r})).acquire(); print('held', flush=True); "
+         "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=r"is being trained by another process"):
+            RunLock(run).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with RunLock(run):  # the killed holder released it
+        pass
+
+
+def test_find_resume_verifies_the_checkpoint(tmp_path: Path, make_cfg) -> None:
+    from saopd.config import to_train_config
+    from saopd.lightning.runs import find_resume
+
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    VerifiedCheckpointIO().save_checkpoint({"state_dict": {}, "global_step": 1}, ckpt)
+    conf = to_train_config(make_cfg("experiment=tiny", f"resume={tmp_path / 'run'}"))
+    assert find_resume(conf) == ckpt
+    ckpt.write_bytes(ckpt.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        find_resume(conf)
+    missing = to_train_config(make_cfg("experiment=tiny", f"resume={tmp_path / 'nope.ckpt'}"))
+    with pytest.raises(FileNotFoundError, match="resume: no checkpoint at"):
+        find_resume(missing)
