@@ -217,3 +217,12 @@ def test_saopd_eval_template_variables_from_the_run_and_the_command_line(
     assert qwen_tok.decode(engine.prompt_ids(PROBE_CHAT)).endswith(THINK_BLOCK)
     plain = build_engine(HFRolloutConfig(), _FakeLM(), qwen_tok)
     assert not qwen_tok.decode(plain.prompt_ids(PROBE_CHAT)).endswith(THINK_BLOCK)
+
+
+@pytest.mark.parametrize("experiment", PAPER_EXPERIMENTS)
+def test_paper_students_keep_fp32_master_weights(experiment: str, tmp_path: Path) -> None:
+    # a bf16-loaded student would keep bf16 weights and AdamW state (no fp32 master copy) under
+    # trainer=gpu's autocast and under FSDP's bf16 policy alike
+    conf = to_train_config(compose_train(tmp_path, f"experiment={experiment}", mlflow=False))
+    assert conf.student.dtype == "float32"
+    assert conf.teacher.dtype == "bfloat16"
