@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 import hydra
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
 import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
@@ -33,6 +35,17 @@ from saopd.filters import build_filter
 from saopd.lightning.callbacks import EvalCallback, RolloutCallback, TokenViewCallback
 from saopd.lightning.data import PromptDataModule
 from saopd.lightning.module import OPDModule
+from saopd.lightning.runs import (
+    FiniteGuard,
+    NonFiniteError,
+    PreemptionCheckpoint,
+    RunLock,
+    check_resume_config,
+    find_resume,
+    run_folder,
+    training_config,
+    write_training_config,
+)
 from saopd.lightning.trainer import build_trainer, checkpoint_callback
 from saopd.models.factory import build_pair
 from saopd.objectives import build_objective
@@ -51,24 +64,6 @@ RUN_RECORD = "saopd_run.json"
 
 class UserError(Exception):
     """A problem with the user's configuration or inputs: reported without a traceback."""
-
-
-def _find_resume(conf: TrainConfig) -> Path | None:
-    if conf.resume in (None, "", "none"):
-        return None
-    if conf.resume == "auto":
-        runs = Path(conf.paths.root) / "outputs" / conf.experiment_name
-        found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
-        if not found:
-            log.info("resume=auto: no checkpoint under %s, starting fresh", runs)
-            return None
-        return found[-1]
-    path = Path(conf.resume)
-    if path.is_dir():
-        path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise UserError(f"resume: no checkpoint at {path}")
-    return path
 
 
 # Intentional here: the frozen teacher stays in eval mode; checkpoints hold the weights after
@@ -94,9 +89,32 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     token_filter = _checked("config group 'filter'", _build_variant, build_filter, conf.filter)
     objective = _checked("config group 'objective'", _build_variant, build_objective,
                          conf.objective)
-    ckpt = _find_resume(conf)
-    out_dir = ckpt.parent.parent if ckpt is not None else Path(conf.paths.output_dir)
+    ckpt = _checked("resume", find_resume, conf)  # verified: checksum, weights only
+    out_dir = run_folder(ckpt, conf.paths.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    zero = _global_rank() == 0  # under DDP/FSDP every rank runs this function
+    run_config = training_config(dataclasses.asdict(conf))
+    changes = (_checked("resume", check_resume_config, out_dir, run_config,
+                        (*conf.resume_changes, "steps")) if ckpt is not None else {})
+    lock = _checked("run", RunLock(out_dir).acquire) if zero else None  # one writer per run
+    try:
+        return _train(cfg, conf, token_filter, objective, ckpt, out_dir, run_config, changes,
+                      extra_callbacks)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any,
+           ckpt: Path | None, out_dir: Path, run_config: dict[str, str],
+           changes: dict[str, tuple[str, str]], extra_callbacks: list[L.Callback] | None
+           ) -> dict[str, Any]:
+    """The rest of :func:`train`, with the run folder locked."""
+    zero = _global_rank() == 0
+    if zero and (ckpt is None or changes):
+        write_training_config(out_dir, run_config)
+    if zero and changes:
+        _record_resume_changes(out_dir, changes)
 
     started = time.perf_counter()
     pair = _checked("models", build_pair, conf.student, conf.teacher,
@@ -127,8 +145,11 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
         # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
-        loggers, run_info = (_make_logger(conf, out_dir, resuming=ckpt is not None)
-                             if _global_rank() == 0 else ([], {}))
+        loggers, run_info = (_checked("logger", _make_logger, conf, out_dir,
+                                      resuming=ckpt is not None) if zero else ([], {}))
+        if loggers and changes:
+            loggers[0].experiment.set_tag(loggers[0].run_id, "saopd.resume_changes",
+                                          json.dumps(changes)[:5000])
         trainer = _checked("trainer", build_trainer, conf, out_dir, loggers=loggers,
                            callbacks=[*_callbacks(conf, engine, out_dir),
                                       *(extra_callbacks or [])])
@@ -136,7 +157,10 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
             log_resolved_config(loggers[0], cfg)
             for name, value in data_counts.items():
                 loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
-        trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+        except NonFiniteError as err:
+            raise UserError(str(err)) from None
     finally:
         close = getattr(engine, "close", None)
         if callable(close):
@@ -175,6 +199,8 @@ def _callbacks(conf: TrainConfig, engine: RolloutEngine, out_dir: Path) -> list[
     callbacks: list[L.Callback] = [
         RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
         checkpoint_callback(conf, out_dir),
+        FiniteGuard(),
+        PreemptionCheckpoint(out_dir / "checkpoints"),
     ]
     if conf.trainer.view_every_n_steps:
         callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
@@ -234,6 +260,11 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     """
     try:
         summary = train(cfg)
+    except SIGTERMException:  # preempted: the step is saved (PreemptionCheckpoint); say so
+        _record_stopped_job(cfg)
+        print("saopd-train: stopped by SIGTERM; the last step is in checkpoints/last.ckpt: "
+              "continue with resume=auto (or resume=<run folder>)", file=sys.stderr)
+        sys.exit(143)
     except Exception as err:
         if is_multirun():
             _record_failed_job(cfg, err)
@@ -257,6 +288,30 @@ def _run_tags(conf: TrainConfig | DictConfig) -> dict[str, str]:
             "objective": conf.objective["name"], "seed": conf.seed, **sweep_tags(),
             **{k: v for k, v in named.items() if v}, **(conf.logger.tags or {})}
     return {k: str(v) for k, v in tags.items()}
+
+
+def _record_resume_changes(out_dir: Path, changes: dict[str, tuple[str, str]]) -> None:
+    """Append the keys a resume changed on purpose (``resume_changes``) to the run's record."""
+    record = out_dir / "saopd_resume_changes.jsonl"
+    with record.open("a") as fh:
+        fh.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                             "changes": {k: {"run": a, "now": b}
+                                         for k, (a, b) in changes.items()}}) + "\n")
+    log.warning("resume changes %s on purpose (recorded in %s)", ", ".join(changes), record)
+
+
+def _record_stopped_job(cfg: DictConfig) -> None:
+    """Mark a job stopped by SIGTERM as KILLED in MLflow (its run record names the run)."""
+    record = Path(str(cfg.paths.output_dir)) / RUN_RECORD
+    if cfg.logger.kind != "mlflow" or not record.is_file():
+        return
+    try:
+        import mlflow
+
+        info = json.loads(record.read_text())
+        mlflow.MlflowClient(info["tracking_uri"]).set_terminated(info["run_id"], status="KILLED")
+    except Exception as mlflow_err:  # the checkpoint is saved; the status is cosmetic
+        log.warning("could not mark the stopped run KILLED in MLflow: %s", mlflow_err)
 
 
 def _record_failed_job(cfg: DictConfig, err: Exception) -> None:

@@ -281,7 +281,8 @@ def run_seeds(runs: pd.DataFrame) -> pd.Series:
 
 #: Params that do not change what a run trains: its seed (the seeds of one method are its rows'
 #: repeats), where it writes and how it is logged, shown or checkpointed.
-NOT_HYPERPARAMETERS = ("seed", "step.seed", "resume", "experiment_name", "study", "method")
+NOT_HYPERPARAMETERS = ("seed", "step.seed", "resume", "resume_changes", "experiment_name", "study",
+                       "method")
 NOT_HYPERPARAMETER_PREFIXES = (
     "paths.", "logger.", "eval.", "hydra.", "trainer.progress_bar", "trainer.view_every_n_steps",
     "trainer.checkpoint_every_n_steps", "trainer.keep_all_checkpoints",

@@ -44,7 +44,10 @@ class TrainConfig:
         steps: optimizer steps (one rollout batch each).
         prompts_per_step: prompts per step (x ``rollout.n`` responses).
         resume: null (fresh run), ``auto`` (the latest ``last.ckpt`` of this experiment, if
-            any) or a checkpoint path; resuming continues the same MLflow run.
+            any) or a checkpoint path; resuming continues the same MLflow run. A resume whose
+            training config differs from the run's is refused, naming the keys.
+        resume_changes: keys a resume may change on purpose (``resume_changes=[optim.lr]``);
+            each change is recorded in the run folder and on the MLflow run.
         student, teacher: the two models (``conf/model/*.yaml`` via ``model@student`` /
             ``model@teacher``; :class:`~saopd.config.model.ModelConfig`).
         filter, objective: a registered variant's ``name`` and its hyperparameters
@@ -74,6 +77,7 @@ class TrainConfig:
     steps: int = 10
     prompts_per_step: int = 4
     resume: str | None = None
+    resume_changes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_int("steps", self.steps)

@@ -9,6 +9,8 @@ config is the run's, that one process trains a run at a time, and a checkpoint o
 - :func:`check_resume_config`: the resolved config of a resumed run must equal the run's in
   every key that changes training (the seed included); differences are refused, naming the keys,
   unless listed in ``resume_changes`` (then recorded in the run folder and on the MLflow run).
+  ``steps`` may grow without being listed (continuing a run longer is what resuming is for); the
+  change is recorded all the same.
 - :class:`RunLock`: ``<run>/.saopd.lock``, held while a process trains the run; a second
   process (two ``resume=auto`` at once) is refused instead of writing the same checkpoints.
 - :class:`PreemptionCheckpoint`: on SIGTERM (what schedulers send before preemption) the step
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from filelock import FileLock, Timeout
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,8 +35,9 @@ from saopd.config.train import TrainConfig
 from saopd.io import write_json_atomic
 from saopd.lightning.checkpoints import verify_checkpoint
 
-__all__ = ["RESOLVED_CONFIG", "PreemptionCheckpoint", "RunLock", "check_resume_config",
-           "find_resume", "run_folder", "training_config", "write_training_config"]
+__all__ = ["RESOLVED_CONFIG", "FiniteGuard", "NonFiniteError", "PreemptionCheckpoint",
+           "RunBusyError", "RunLock", "check_resume_config", "find_resume", "run_folder",
+           "training_config", "write_training_config"]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +83,9 @@ def run_folder(ckpt: Path | None, output_dir: str | Path) -> Path:
 
 
 def training_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
-    """The resolved config as ``{dotted key: value as text}``, only the keys that change
-    training (:func:`saopd.analysis.runs.is_hyperparameter`, the seed included)."""
+    """The resolved config (a ``DictConfig`` or the validated config as a dict) as ``{dotted key:
+    value as JSON text}``, only the keys that change training
+    (:func:`saopd.analysis.runs.is_hyperparameter`, the seed included)."""
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     flat: dict[str, str] = {}
 
@@ -123,17 +128,21 @@ def check_resume_config(run: Path, config: Mapping[str, str],
     if refused:
         shown = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in refused.items())
         raise ValueError(
-            f"resume: the config differs from the run's in what changes training ({shown}). "
+            f"the config differs from the run's in what changes training ({shown}). "
             f"Steps trained so would be credited to the run {run}. Start a new run, or list "
             "the keys you mean to change: resume_changes=[" + ",".join(refused) + "]")
     return {k: v for k, v in diff.items() if k in allowed}
 
 
+class RunBusyError(OSError):
+    """Another process is training the run (its lock is held)."""
+
+
 class RunLock:
     """An exclusive lock on a run folder (``<run>/.saopd.lock``) while a process trains it.
 
-    ``acquire`` raises ``RuntimeError`` naming the folder when another process holds it (an OS
-    file lock: a killed holder releases it at once)."""
+    ``acquire`` raises :class:`RunBusyError` naming the folder when another process holds it (an
+    OS file lock: a killed holder releases it at once)."""
 
     def __init__(self, run: Path) -> None:
         self.run = Path(run)
@@ -144,7 +153,7 @@ class RunLock:
         try:
             self.lock.acquire()
         except Timeout:
-            raise RuntimeError(
+            raise RunBusyError(
                 f"run {self.run} is being trained by another process (lock "
                 f"{self.lock.lock_file}); wait for it or stop it before resuming") from None
         return self
@@ -173,3 +182,30 @@ class PreemptionCheckpoint(L.Callback):
             self.saved = self.dirpath / "last.ckpt"
             trainer.save_checkpoint(self.saved)
             log.warning("SIGTERM: saved step %d to %s", trainer.global_step, self.saved)
+
+
+class NonFiniteError(ValueError):
+    """Training produced a NaN or inf (loss or weights); the run stops before saving it."""
+
+
+class FiniteGuard(L.Callback):
+    """Stop at the first step whose loss or updated student weights are not finite, naming the
+    step and the quantity, before any checkpoint of that step is written (Lightning runs
+    checkpoint callbacks after the others), so ``last.ckpt`` and ``resume=auto`` keep the last
+    good state. Non-finite gradients show up here too: AdamW carries them into the weights."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step - 1  # the optimizer step that just ran
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
+            raise NonFiniteError(
+                f"the loss is not finite ({float(loss.detach().float().reshape(-1)[0])}) at "
+                f"step {step}: stopped before saving it (lower optim.lr, check the objective's "
+                "hyperparameters or trainer.precision)")
+        for name, param in pl_module.student.named_parameters():
+            if param.is_floating_point() and not bool(torch.isfinite(param.detach()).all()):
+                raise NonFiniteError(
+                    f"the student weight {name} is not finite after step {step}: stopped "
+                    "before saving it (the update diverged: lower optim.lr or check "
+                    "trainer.precision)")

@@ -12,6 +12,7 @@ import pytest
 from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO
 from saopd.lightning.runs import (
     RESOLVED_CONFIG,
+    RunBusyError,
     RunLock,
     check_resume_config,
     run_folder,
@@ -72,7 +73,7 @@ def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(RuntimeError, match=r"is being trained by another process"):
+        with pytest.raises(RunBusyError, match=r"is being trained by another process"):
             RunLock(run).acquire()
     finally:
         holder.kill()
