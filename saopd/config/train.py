@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,7 @@ from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.validation import check_int
 
-__all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config"]
+__all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config", "unknown_keys"]
 
 
 
@@ -103,8 +105,43 @@ def register_schema() -> None:
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Resolve interpolations and build (and so validate) the dataclasses."""
+    """Resolve interpolations and build (and so validate) the dataclasses.
+
+    A key that is not in the schema is refused, naming it (and the nearest field), including one
+    added with Hydra's ``+`` (``+rollout.temprature=0.01``), which OmegaConf would otherwise keep
+    in the config and drop when building the dataclass."""
+    unknown = unknown_keys(cfg, TrainConfig)
+    if unknown:
+        raise ValueError("unknown config key(s): " + "; ".join(unknown))
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, TrainConfig):
         raise ValueError(f"config does not follow the train schema (got {type(obj).__name__})")
     return obj
+
+
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``node`` (a ``DictConfig``) that ``schema`` (a dataclass) has no field for,
+    recursively through the fields typed by dataclasses (the rollout node by its own engine's
+    schema); free-form mappings (filter, objective, tags, template variables) are not checked.
+    Each entry reads ``key (did you mean ...?)`` when a field name is close."""
+    if not isinstance(node, DictConfig):
+        return []
+    own = OmegaConf.get_type(node)
+    if isinstance(own, type) and dataclasses.is_dataclass(own) and issubclass(own, schema):
+        schema = own  # e.g. VLLMRolloutConfig under the rollout field
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    out = []
+    for name in node:
+        key = str(name)
+        if key == "hydra":
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            out.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close
+                                           else f" ({prefix.rstrip('.') or 'the config'} has "
+                                                f"no such field)"))
+            continue
+        sub = OmegaConf.get_type(node, key)
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            out += unknown_keys(node[key], sub, f"{prefix}{key}.")
+    return out

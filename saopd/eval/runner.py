@@ -248,6 +248,9 @@ def evaluate_benchmark(
     judge-only constraints (:data:`saopd.eval.mmifeval.MMIFEvalJudge`).
     """
     BENCHMARKS.get(name)  # an unknown name fails here, before any sampling
+    if not problems:  # an average over no problem is not a score
+        raise ValueError(f"benchmark {name!r}: no problem to evaluate (an empty file, or every "
+                         "row skipped)")
     samples: list[dict[str, Any]] = []
     unfinished = 0
     for start in range(0, len(problems), batch_size):

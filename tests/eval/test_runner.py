@@ -253,3 +253,19 @@ def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Pat
     ((metrics, step),) = logged
     assert step == 1 and set(metrics) == {"eval/gsm8k/avg_at_1"}
     assert (tmp_path / "eval" / "step_000001" / "gsm8k.jsonl").is_file()
+
+
+def test_limit_zero_is_refused_not_scored_as_zero(tmp_path: Path) -> None:
+    """``limit=0`` used to log an average of 0.0 over no problem as a FINISHED run (issue 15,
+    point 8): it is refused at start-up, as is a benchmark file with no problem."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_eval(tmp_path, "model=tiny_qwen3", "limit=0")
+    with pytest.raises(ValueError, match=r"limit must be null or an int >= 1, got 0"):
+        OmegaConf.to_object(cfg)
+    data_dir = tmp_path / "prepared"
+    data_dir.mkdir()
+    (data_dir / "math500.jsonl").write_text("")
+    problems = load_benchmark("math500", data_dir)
+    with pytest.raises(ValueError, match=r"benchmark 'math500': no problem to evaluate"):
+        evaluate_benchmark("math500", problems, None, None, SamplingParams())
