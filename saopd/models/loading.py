@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 
 from saopd.models.smollm2 import SMOLLM2_ALIAS, smollm2_135m_instruct
 
@@ -169,7 +170,8 @@ _NETWORK_HINTS = (
 def from_pretrained(
     loader, source: ModelSource, probe_files: Sequence[str], revision: str | None, **kwargs: Any
 ):
-    """``loader.from_pretrained``, turning hub connectivity failures into HubUnavailableError."""
+    """``loader.from_pretrained``, turning hub connectivity failures into HubUnavailableError and
+    an unreadable (truncated, corrupt) safetensors file into an ``OSError`` naming the model."""
     if not source.is_local:
         probe = [source.gguf_file] if source.gguf_file else list(probe_files)
         if _hub_offline() and not _cached_on_hub(source.location, probe, revision):
@@ -180,6 +182,9 @@ def from_pretrained(
         kwargs["gguf_file"] = source.gguf_file
     try:
         return loader.from_pretrained(source.location, revision=revision, **kwargs)
+    except SafetensorError as err:  # a truncated or corrupt weights file
+        raise OSError(f"{source.location}: a safetensors weights file cannot be read ({err}); "
+                      "it is truncated or corrupt: download or convert it again") from None
     except (OSError, ValueError) as err:
         msg = str(err).lower()
         if not source.is_local and any(h in msg for h in _NETWORK_HINTS):

@@ -425,3 +425,13 @@ def test_model_output_sizes(tiny_tok):
     too_small.resize_token_embeddings(n - 10)
     with pytest.raises(ValueError, match=f"teacher model outputs {n - 10} logits"):
         check_same_vocabulary(tiny_tok, tiny_tok, small, too_small)
+
+
+def test_a_truncated_safetensors_file_names_the_model(tmp_path: Path, tiny_tok) -> None:
+    # issue 15, point 13: a raw SafetensorError traceback used to reach the user
+    model = tiny_qwen3(tiny_tok, layers=1)
+    model.save_pretrained(tmp_path / "m", safe_serialization=True)
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(OSError, match=r"m: a safetensors weights file cannot be read .*truncated"):
+        load_causal_lm(str(tmp_path / "m"))
