@@ -209,11 +209,19 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
     if rank_zero_only.rank != 0:
         return build()
     with store_lock(uri):
-        logger = build()
-        if run_id is None:
-            _ = logger.run_id  # creates the experiment and the run now, under the lock
-        else:
-            _reopen_run(logger, run_id)
+        try:
+            logger = build()
+            if run_id is None:
+                _ = logger.run_id  # creates the experiment and the run now, under the lock
+            else:
+                _reopen_run(logger, run_id)
+        except Exception as err:
+            if "database is locked" not in str(err):
+                raise
+            raise StoreLockTimeout(
+                f"MLflow store {uri}: the database is locked by another process (one outside "
+                "saopd's lock, e.g. an `mlflow ui` writing, or a stuck job); retry when it is "
+                "free") from None
     return logger
 
 

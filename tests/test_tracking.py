@@ -258,3 +258,30 @@ def test_a_held_store_lock_times_out_naming_the_lock(tmp_path: Path) -> None:
         holder.wait()
     with store_lock(f"sqlite:///{db}", timeout_s=5):  # a killed holder released it
         pass
+
+
+def test_a_locked_sqlite_store_is_a_clear_error(tmp_path: Path) -> None:
+    # issue 15, point 13: another process holding a write transaction on mlflow.db used to end
+    # in a raw sqlalchemy traceback ("database is locked")
+    import sqlite3
+    import subprocess
+    import sys
+
+    from saopd.tracking import StoreLockTimeout, make_mlflow_logger
+
+    db = tmp_path / "mlflow.db"
+    make_mlflow_logger(experiment_name="x", tracking_uri=f"sqlite:///{db}", run_name="a",
+                       root=tmp_path)  # the store exists
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import sqlite3, time; c = sqlite3.connect({str(db)!r}); "
+         "c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StoreLockTimeout, match=r"the database is locked by another process"):
+            make_mlflow_logger(experiment_name="x", tracking_uri=f"sqlite:///{db}",
+                               run_name="b", root=tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sqlite3.connect(db).execute("select count(*) from runs").fetchone()[0] == 1

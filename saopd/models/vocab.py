@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -64,6 +64,13 @@ def _vocab_diff(student: dict[str, int], teacher: dict[str, int]) -> str:
     return "; ".join(parts)
 
 
+def _template_head(tokenizer: Any) -> str:
+    """The start of a tokenizer's chat template (its name when it has one), for messages."""
+    name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+    text = " ".join(str(tokenizer.chat_template or "").split())
+    return f"{name}: {text[:60]!r}{'...' if len(text) > 60 else ''}"
+
+
 def check_same_vocabulary(
     student_tok: PreTrainedTokenizerBase,
     teacher_tok: PreTrainedTokenizerBase,
@@ -102,7 +109,10 @@ def check_same_vocabulary(
     if special:
         raise ValueError("student and teacher special tokens differ: " + "; ".join(special))
     if student_tok.chat_template != teacher_tok.chat_template:
-        msg = "student and teacher chat templates differ (prompts are rendered with one of them)"
+        msg = ("student and teacher chat templates differ: rollouts and both models' contexts are "
+               "rendered with the student's template (" + _template_head(student_tok) + "), so "
+               "the teacher scores text in a format that is not its own (teacher's: "
+               + _template_head(teacher_tok) + ")")
         if strict_chat_template:
             raise ValueError(msg)
         warnings.warn(msg, UserWarning, stacklevel=2)

@@ -407,9 +407,14 @@ def test_different_special_tokens_are_refused(tiny_tok):
 def test_chat_template_difference_warns_or_raises(tiny_tok):
     other = tiny_tokenizer()
     other.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    with pytest.warns(UserWarning, match="chat templates differ"):
+    with pytest.warns(UserWarning, match="chat templates differ") as caught:
         report = check_same_vocabulary(other, tiny_tok)
     assert report.warnings
+    # the warning says which template is used, and shows both (issue 15, point 14)
+    text = str(caught[0].message)
+    assert "rendered with the student's template" in text
+    assert "{% for m in messages %}{{ m.content }}{% endfor %}" in text  # the student's
+    assert repr(" ".join(tiny_tok.chat_template.split())[:60])[1:-1] in text  # the teacher's
     with pytest.raises(ValueError, match="chat templates differ"):
         check_same_vocabulary(other, tiny_tok, strict_chat_template=True)
 
