@@ -91,6 +91,16 @@ class TrainConfig:
             value = getattr(self, group)
             if not isinstance(value, dict) or "name" not in value:
                 raise ValueError(f"{group} must be a mapping with a 'name' key, got {value!r}")
+        rollout = self.rollout
+        if not rollout.greedy and (rollout.temperature != 1.0 or rollout.top_p < 1.0):
+            raise ValueError(
+                f"rollout.temperature={rollout.temperature}, rollout.top_p={rollout.top_p}: "
+                "training scores every sampled token under the models' full distributions at "
+                "temperature 1 (lpS, lpT, the filters' signals and the loss), the distribution "
+                "on-policy distillation assumes the rollouts came from; a tempered or truncated "
+                "sampler would make them off-policy with nothing correcting it. Train with "
+                "rollout.temperature=1.0 and rollout.top_p=1.0 (rollout.greedy=true for "
+                "debugging); evaluation samples apart from this (eval.temperature, eval.top_p)")
 
 
 def register_schema() -> None:

@@ -54,13 +54,34 @@ def _mean_over(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(values[mask].sum()) / n if n else 0.0
 
 
+def check_finite_at(name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+    """Refuse NaN or +-inf in ``values`` at ``valid`` positions (same shape; bool ``valid``).
+
+    A filter's ranks and FLMR are meaningless with a non-finite score: +inf in A would make
+    FLMR NaN and silently skip the bound of Algorithm 2. :class:`TokenSignals` clamps log-probs
+    at its floor, so training never gets here; callers of the public functions might.
+
+    Raises:
+        ValueError: naming ``name``, how many values are bad and the first bad position.
+    """
+    bad = ~torch.isfinite(values.detach()) & valid
+    if bool(bad.any()):
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(
+            f"{name} has {int(bad.sum())} non-finite value(s) (NaN or inf) at valid positions, "
+            f"first at {first} (value {float(values.detach()[tuple(first)])}); the filters "
+            "need finite scores (TokenSignals clamps log-probs at LOGPROB_FLOOR)")
+
+
 def filtered_loss_mass_ratio(a_full: torch.Tensor, filtered: torch.Tensor,
                              valid: torch.Tensor) -> float:
     """FLMR of Eq. 17: sum_{t in F} |A_t| / (sum_{t in V} |A_t| + eps).
 
     Args: ``a_full`` float [B, T] (or [N]), ``filtered`` bool (True = in F, subset of V),
-    ``valid`` bool (True = in V), all of one shape.
+    ``valid`` bool (True = in V), all of one shape; ``a_full`` finite at valid positions
+    (``ValueError`` otherwise).
     """
+    check_finite_at("a_full", a_full, valid)
     abs_a = a_full.detach().float().abs()
     # float64 accumulation, as in SA-OPD's alpha search, so bound checks agree to ~1e-15
     in_f = abs_a[filtered & valid].sum(dtype=torch.float64)

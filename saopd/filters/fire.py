@@ -1,10 +1,12 @@
 """FiRe-OPD (arXiv 2606.02684): a trajectory filter plus entropy-based token weights.
 
 As in ``BASELINES.md``:
-- trajectory filter: drop the responses whose mean teacher log-prob mean_t lpT lies in the bottom
-  ``drop_fraction`` (20%) of the batch; rank-based, floor(0.2 * #non-empty responses) of them,
-  ties by row index. Computed over the whole batch (the released code does it per micro-batch of
-  one, which disables it);
+- trajectory filter: drop the responses whose mean teacher log-prob mean_t lpT lies strictly
+  below ``torch.quantile(means, drop_fraction)`` (linear interpolation, float32) over the
+  non-empty responses of the batch, the released code's rule: responses tied with the threshold
+  are kept, and 8 distinct means drop 2 (the 0.2-quantile lies between the 2nd and 3rd smallest),
+  where a rank rule floor(0.2 * 8) would drop 1. Computed over the whole batch (the released code
+  does it per micro-batch of one, which disables it);
 - token weights (no gradient): tc = clip(1 - H_T / max H_T, 0, 1), sc = clip(H_S / max H_S, 0, 1),
   w = (1 + a*tc)(1 + b*sc), rescaled to mean 1 over the valid tokens of the batch;
 - the loss is then the OPD loss times w on the tokens of kept responses (token-mean).
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from saopd.filters.base import FILTERS, FilterResult, TokenFilter, result_from_filtered
-from saopd.filters.ranks import count_for, smallest_k_mask
 from saopd.signals.token_signals import TokenSignals
 from saopd.validation import check_fraction, check_positive
 
@@ -48,7 +49,8 @@ class FiReFilter(TokenFilter):
     """FiRe-OPD: drop low-teacher-likelihood responses, re-weight the tokens of the rest.
 
     Attributes:
-        drop_fraction: share of non-empty responses dropped by mean teacher log-prob (0.2).
+        drop_fraction: the quantile of the non-empty responses' mean teacher log-probs below
+            which a response is dropped (0.2; strictly below, ties kept, as released).
         a: weight of teacher confidence tc (1.0).
         b: weight of student uncertainty sc (1.0).
     """
@@ -70,10 +72,10 @@ class FiReFilter(TokenFilter):
         lengths = valid.sum(dim=1)  # [B]
         nonempty = lengths > 0
         mean_lp_t = signals.lp_teacher.sum(dim=1) / lengths.clamp_min(1)  # [B]
-        dropped_compact = smallest_k_mask(mean_lp_t[nonempty],
-                                          count_for(self.drop_fraction, int(nonempty.sum())))
         dropped = torch.zeros_like(nonempty)
-        dropped[nonempty] = dropped_compact
+        if bool(nonempty.any()):
+            means = mean_lp_t[nonempty]  # float32 [N], as the released code's
+            dropped[nonempty] = means < torch.quantile(means, self.drop_fraction)
         filtered = valid & dropped[:, None]
         result = result_from_filtered(signals, filtered)
         weights = fire_token_weights(signals.entropy_student, signals.entropy_teacher, valid,

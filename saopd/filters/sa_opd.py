@@ -25,6 +25,7 @@ from saopd.filters.base import (
     FLMR_EPS,
     FilterResult,
     TokenFilter,
+    check_finite_at,
     result_from_filtered,
     scatter_valid,
 )
@@ -86,7 +87,8 @@ def spurious_token_mask(
             groundedness score where *small* means input-agnostic (the proxy ablation passes
             |lpT - lpT_res|).
         valid: bool [B, T], True = a real response token (the set V). Values elsewhere are
-            ignored.
+            ignored; at valid positions ``a_full`` and ``delta`` must be finite
+            (``ValueError`` naming the first bad position otherwise).
         p1: base share of V with the smallest ``delta`` (Bottom_p1), in [0, 1].
         p2: base share of V with the most extreme A_full (Top_p2), in [0, 1].
         beta_min, beta_max: optional FLMR interval of Algorithm 2, fractions in [0, 1]
@@ -113,6 +115,9 @@ def spurious_token_mask(
     check_same_shape("a_full", a_full, valid.shape, "valid")
     check_same_shape("delta", delta, valid.shape, "valid")
 
+    check_finite_at("a_full", a_full, valid)
+    check_finite_at("delta", delta, valid)
+
     a, d = compact_valid(a_full, valid), compact_valid(delta, valid)  # [N] each, row-major
     n = a.numel()
     adaptive = beta_min is not None or beta_max is not None
@@ -120,8 +125,6 @@ def spurious_token_mask(
     if n == 0 or p1 == 0.0 or p2 == 0.0:
         branch = "within" if adaptive else "fixed"
         return SpuriousMask(empty, 0.0, 1.0, p1, p2, branch)
-    if torch.isnan(a).any() or torch.isnan(d).any():
-        raise ValueError("a_full or delta holds NaN at valid positions")
 
     abs_a = a.double().abs()  # float64, as filtered_loss_mass_ratio, so bound checks agree
     total = float(abs_a.sum()) + FLMR_EPS

@@ -113,6 +113,8 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
     ``[B, R, V]`` for heads with extra transforms). ``vocab_size`` keeps only the first V rows of
     the head, for teacher/student pairs whose heads are padded to different sizes. A model that
     changes its logits otherwise implements :class:`ResponseLogitSource`, which is used instead.
+    With a plain head the head product is computed in fp32 by the signals layer even under
+    autocast; a head with extra transforms runs inside the model, in the autocast dtype.
     """
     if isinstance(model, ResponseLogitSource):
         return model.response_logit_source(ctx, vocab_size=vocab_size)

@@ -53,6 +53,7 @@ is undefined (NaN). A row whose logits are all ``-inf`` is not a distribution an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -66,10 +67,26 @@ __all__ = [
     "Logits",
     "TokenScores",
     "default_chunk_size",
+    "fp32_region",
     "score_tokens",
 ]
 
 _FP32_BYTES = 4
+
+
+def fp32_region(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """A context in which autocast is off for ``device``'s type, so every op runs in the dtype
+    of its inputs (here always fp32).
+
+    Under Lightning's ``bf16-mixed`` (``torch.autocast``) a ``matmul``/``addmm`` of fp32 tensors
+    would otherwise run in bf16: the LM-head product of :class:`LMHead` would lose 8 bits of
+    mantissa before the log-softmax, which moved log-probs by ~0.08 nats on average. Scoring
+    runs inside this context in the forward and the backward, whatever autocast state the caller
+    (or the autograd engine) is in; the model's own layers keep their mixed precision.
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,14 +237,16 @@ class LMHead:
         return self.hidden.device
 
     def chunk(self, start: int, end: int) -> torch.Tensor:
-        """float32 ``[end - start, V]`` logits of flattened positions [start, end)."""
+        """float32 ``[end - start, V]`` logits of flattened positions [start, end), computed in
+        fp32 even inside ``torch.autocast`` (see :func:`fp32_region`)."""
         b, t = self.batch_shape
         _check_range(start, end, b * t)
-        rows = _flat_rows(self.hidden, start, end).float()
-        weight = self.weight.float()
-        if self.bias is None:
-            return rows @ weight.T
-        return torch.addmm(self.bias.float(), rows, weight.T)
+        with fp32_region(self.device):
+            rows = _flat_rows(self.hidden, start, end).float()
+            weight = self.weight.float()
+            if self.bias is None:
+                return rows @ weight.T
+            return torch.addmm(self.bias.float(), rows, weight.T)
 
     # -- internals used by score_tokens -------------------------------------------------------
     def _tensors(self) -> tuple[torch.Tensor | None, ...]:
@@ -404,7 +423,8 @@ class _ChunkedScores(torch.autograd.Function):
     def forward(ctx: Any, plan: _Plan, targets: torch.Tensor,
                 *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         source = plan.source_type(*params)
-        out = _score_chunks(source._fp32_params(), targets, plan)
+        with fp32_region(source.device):
+            out = _score_chunks(source._fp32_params(), targets, plan)
         empty = targets.new_empty(0, dtype=torch.float32)
         # each missing output gets its own empty tensor: autograd wants distinct outputs
         results = tuple(out[name] if name in out else empty.clone() for name in _OUTPUTS)
@@ -431,39 +451,51 @@ class _ChunkedScores(torch.autograd.Function):
         if (g_lp is None and g_h is None and g_kl is None) or not any(needs):
             return (None, None, *([None] * len(params)))
         source = plan.source_type(*params)._fp32_params()
-        bufs = source._grad_buffers(needs)
-        teacher = None if g_kl is None or plan.teacher is None else plan.teacher._fp32_params()
-        tau = plan.temperature
-        for start, end in plan.chunks():
-            rows = slice(start, end)
-            logp = _chunk_log_probs(source, start, end, tau)
-            p = logp.exp()
-            zero = p == 0 if g_h is not None or g_kl is not None else None
-            # the gradient w.r.t. the scaled logits u = z / tau, built as one [chunk, V] block
-            extra = None  # entropy and KL parts
-            if g_h is not None:  # dH/du = -p (log p + H)
-                extra = (logp + entropy[rows, None]).mul_(p).masked_fill_(zero, 0.0)
-                extra.mul_(g_h[rows, None].neg())
-            if g_kl is not None:  # dKL/du = p (log p - log q - KL)
-                term = _chunk_log_probs(teacher, start, end, tau).neg_().add_(logp)
-                term.sub_(kl[rows, None]).mul_(p).masked_fill_(zero, 0.0)
-                term.mul_(g_kl[rows, None])
-                extra = term if extra is None else extra.add_(term)
-                del term
-            del logp, zero
-            if g_lp is None:
-                grad = extra
-            else:  # dlp/du = onehot(y) - p
-                grad = p.mul_(g_lp[rows, None].neg())
-                grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
-                if extra is not None:
-                    grad.add_(extra)
-            del p, extra
-            if tau != 1.0:
-                grad.div_(tau)
-            source._accumulate_grad(bufs, grad, start, end)
-            del grad
-        return (None, None, *source._finish_grads(bufs, tuple(params)))
+        with fp32_region(source.device):
+            return _backward_chunks(plan, source, targets, entropy, kl, tuple(params),
+                                    needs, g_lp, g_h, g_kl)
+
+
+def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
+                     entropy: torch.Tensor, kl: torch.Tensor,
+                     params: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
+                     g_lp: torch.Tensor | None, g_h: torch.Tensor | None,
+                     g_kl: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The backward chunk loop of :class:`_ChunkedScores` (fp32 ``source``; flat ``[N]``
+    targets, saved entropy / KL and upstream gradients); returns the gradients of its inputs."""
+    bufs = source._grad_buffers(needs)
+    teacher = None if g_kl is None or plan.teacher is None else plan.teacher._fp32_params()
+    tau = plan.temperature
+    for start, end in plan.chunks():
+        rows = slice(start, end)
+        logp = _chunk_log_probs(source, start, end, tau)
+        p = logp.exp()
+        zero = p == 0 if g_h is not None or g_kl is not None else None
+        # the gradient w.r.t. the scaled logits u = z / tau, built as one [chunk, V] block
+        extra = None  # entropy and KL parts
+        if g_h is not None:  # dH/du = -p (log p + H)
+            extra = (logp + entropy[rows, None]).mul_(p).masked_fill_(zero, 0.0)
+            extra.mul_(g_h[rows, None].neg())
+        if g_kl is not None:  # dKL/du = p (log p - log q - KL)
+            term = _chunk_log_probs(teacher, start, end, tau).neg_().add_(logp)
+            term.sub_(kl[rows, None]).mul_(p).masked_fill_(zero, 0.0)
+            term.mul_(g_kl[rows, None])
+            extra = term if extra is None else extra.add_(term)
+            del term
+        del logp, zero
+        if g_lp is None:
+            grad = extra
+        else:  # dlp/du = onehot(y) - p
+            grad = p.mul_(g_lp[rows, None].neg())
+            grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+            if extra is not None:
+                grad.add_(extra)
+        del p, extra
+        if tau != 1.0:
+            grad.div_(tau)
+        source._accumulate_grad(bufs, grad, start, end)
+        del grad
+    return (None, None, *source._finish_grads(bufs, params))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,22 @@ def test_bad_values_name_the_key(override: str, match: str, tmp_path: Path) -> N
         to_train_config(compose_train(tmp_path, "experiment=tiny", override))
 
 
+@pytest.mark.parametrize("override", ["rollout.temperature=0.7", "rollout.top_p=0.95",
+                                      "rollout.temperature=1.3"])
+def test_tempered_or_truncated_training_rollouts_are_refused(override: str,
+                                                             tmp_path: Path) -> None:
+    """Scoring is at temperature 1 over the full vocabulary: a tempered / nucleus sampler would
+    make the rollouts off-policy silently, so it is refused by name (greedy decoding is not
+    a sampler, and evaluation sampling is separate)."""
+    with pytest.raises(ValueError, match=rf"{override.split('=')[0]}=.*off-policy"):
+        to_train_config(compose_train(tmp_path, "experiment=tiny", override))
+    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", override,
+                                         "rollout.greedy=true"))
+    assert conf.rollout.greedy
+    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "eval.top_p=0.5"))
+    assert conf.eval.top_p == 0.5 and conf.rollout.top_p == 1.0
+
+
 def test_type_errors_and_unknown_keys_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigCompositionException, match="override steps=abc"):
         compose_train(tmp_path, "experiment=tiny", "steps=abc")

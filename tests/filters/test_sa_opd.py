@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 
 from saopd.filters import build_filter, spurious_token_mask
+from saopd.filters.base import filtered_loss_mass_ratio
 from saopd.filters.ranks import count_for, decimal
 from saopd.signals import TokenSignals
 from tests.conftest import TOTAL, hand_signals, mask_of  # the hand-made batch
@@ -218,6 +219,29 @@ def test_bad_hyperparameters(kwargs: dict, match: str) -> None:
         spurious_token_mask(s.a_full, s.grounding_gap, s.valid, **params)
     with pytest.raises(ValueError, match=match):
         build_filter("sa_opd", **params)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("which", ["a_full", "delta"])
+@pytest.mark.parametrize("bounded", [False, True])
+def test_non_finite_scores_are_refused(bad: float, which: str, bounded: bool) -> None:
+    """+inf in A used to give FLMR NaN and skip Algorithm 2's bound; now it names the spot.
+    A bad value at an invalid (padding) position is ignored, as every padding value is."""
+    s = hand_signals()
+    values = {"a_full": s.a_full.clone(), "delta": s.grounding_gap.clone()}
+    bounds = {"beta_max": 0.1} if bounded else {}
+    values[which][0, 6] = bad  # padding column: ignored
+    out = spurious_token_mask(values["a_full"], values["delta"], s.valid, p1=0.5, p2=0.5,
+                              **bounds)
+    assert math.isfinite(out.flmr)
+    values[which][0, 2] = bad
+    match = rf"{which} has 1 non-finite value\(s\).*first at \[0, 2\]"
+    with pytest.raises(ValueError, match=match):
+        spurious_token_mask(values["a_full"], values["delta"], s.valid, p1=0.5, p2=0.5,
+                            **bounds)
+    if which == "a_full":
+        with pytest.raises(ValueError, match=r"a_full has 1 non-finite"):
+            filtered_loss_mass_ratio(values["a_full"], torch.zeros_like(s.valid), s.valid)
 
 
 def test_shape_mismatch_and_unknown_names() -> None:

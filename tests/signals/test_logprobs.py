@@ -315,6 +315,45 @@ def test_bf16_inputs_give_fp32_close_to_upcast() -> None:
         torch.testing.assert_close(mine.grad, theirs.grad.to(torch.bfloat16))
 
 
+def test_fp32_under_bf16_autocast() -> None:
+    """Lightning's ``bf16-mixed`` runs ``training_step`` inside ``torch.autocast``, under which
+    an fp32 matmul runs in bf16. Scoring must not notice: values and gradients equal the
+    no-autocast ones (same fp32 ops in the same order), while a bf16 head product would be far
+    off (checked, so the comparison can fail)."""
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(B, T, 64, generator=g)
+    weight = torch.randn(V, 64, generator=g) / 4
+    bias = torch.randn(V, generator=g)
+    teacher_h = torch.randn(B, T, 64, generator=g)
+    teacher_w = torch.randn(V, 64, generator=g) / 4
+    targets = torch.randint(0, V, (B, T), generator=g)
+
+    def run(autocast: bool) -> tuple[TokenScores, list[torch.Tensor]]:
+        params = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            head = LMHead(*params)
+            scores = score_tokens(head, targets, teacher=LMHead(teacher_h, teacher_w),
+                                  entropy=True, teacher_entropy=True, kl=True, chunk_size=4)
+            chunk = head.chunk(0, B * T)
+            loss = scores.logprobs.sum() + scores.entropy.sum() + scores.kl.sum()
+            loss.backward()  # inside autocast too: the custom backward must not care
+        return scores, [chunk, *(p.grad for p in params)]
+
+    plain, plain_grads = run(False)
+    mixed, mixed_grads = run(True)
+    for name in ("logprobs", "entropy", "teacher_logprobs", "teacher_entropy", "kl"):
+        assert getattr(mixed, name).dtype == torch.float32
+        torch.testing.assert_close(getattr(mixed, name), getattr(plain, name), atol=1e-6, rtol=0)
+    for got, want in zip(mixed_grads, plain_grads, strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # what the head product gives in bf16 (what autocast would have done): clearly different
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_product = hidden.view(-1, 64) @ weight.T
+    assert bf16_product.dtype == torch.bfloat16
+    assert (bf16_product.float() + bias - plain_grads[0]).abs().max() > 1e-3
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 
