@@ -119,7 +119,8 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
     started = time.perf_counter()
     pair = _checked("models", build_pair, conf.student, conf.teacher,
                     chat_template_kwargs=conf.data.chat_template_kwargs)
-    log.info("models ready in %.1f s", time.perf_counter() - started)
+    log.info("models ready in %.1f s; tokenizers: %s", time.perf_counter() - started,
+             pair.vocab.describe())
     records, data_counts = _checked("data", load_prompts, conf.data, pair.tokenizer,
                                     pair.processor)
     engine = _checked(
@@ -139,9 +140,11 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
             vocab_size=pair.vocab.common_logits,
             activation_checkpointing=conf.trainer.activation_checkpointing,
             fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
-            contexts=context_builder(pair.tokenizer, pair.processor,
-                                     residual_remove=conf.data.residual_remove,
-                                     chat_template_kwargs=conf.data.chat_template_kwargs))
+            contexts=context_builder(
+                pair.tokenizer, pair.processor, residual_remove=conf.data.residual_remove,
+                chat_template_kwargs=conf.data.chat_template_kwargs,
+                teacher_tokenizer=pair.teacher_tokenizer if pair.vocab.teacher_contexts else None,
+                response_id_map=pair.vocab.response_id_map))
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
         # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.

@@ -72,11 +72,20 @@ class ContextBuilder(Protocol):
 
 def context_builder(tokenizer: Any, processor: Any | None = None, *,
                     residual_remove: str = "all",
-                    chat_template_kwargs: Mapping[str, Any] | None = None) -> ContextBuilder:
+                    chat_template_kwargs: Mapping[str, Any] | None = None,
+                    teacher_tokenizer: Any | None = None,
+                    response_id_map: Mapping[int, int] | None = None) -> ContextBuilder:
     """The builder for a pair: :class:`VisionContexts` when it has a ``processor`` (the
     residual removes ``residual_remove``: ``all`` | ``image`` | ``text``), else
-    :class:`TextContexts` on ``tokenizer``."""
+    :class:`TextContexts` on ``tokenizer``. ``teacher_tokenizer`` (text pairs only): the
+    teacher scores its own contexts in that tokenizer's template, with response ids mapped by
+    ``response_id_map`` (:class:`TextContexts`)."""
     kwargs = dict(chat_template_kwargs or {})
     if processor is not None:
+        if teacher_tokenizer is not None:
+            raise ValueError("teacher-own contexts (a teacher with its own chat template) are "
+                             "built for text pairs only, not vision-language pairs")
         return VisionContexts(processor, remove=residual_remove, chat_template_kwargs=kwargs)
-    return TextContexts(tokenizer, chat_template_kwargs=kwargs)
+    return TextContexts(tokenizer, chat_template_kwargs=kwargs,
+                        teacher_tokenizer=teacher_tokenizer,
+                        response_id_map=dict(response_id_map or {}))

@@ -127,6 +127,10 @@ class PairedContextBatch:
     ``response_ids`` [B, R] long (padded with the pad id), ``response_mask`` [B, R] bool. Gathering
     either context's log-probs at its ``gather_index`` gives a [B, R] tensor aligned with these.
     ``truncated_rows``: rows whose full or residual prompt was left-truncated to ``max_length``.
+    ``teacher``: the teacher's own full and residual contexts when it scores in its own chat
+    template (:class:`~saopd.contexts.TextContexts` with a teacher tokenizer), over the same
+    responses (ids mapped into its vocabulary) in the same ``[B, R]`` layout and mask; None when
+    both models score these contexts. :attr:`teacher_view` is what the teacher scores either way.
     """
 
     full: ContextBatch
@@ -135,10 +139,16 @@ class PairedContextBatch:
     response_mask: torch.Tensor
     truncated_rows: tuple[int, ...]
     padding_side: str
+    teacher: PairedContextBatch | None = None
 
     @property
     def num_truncated(self) -> int:
         return len(self.truncated_rows)
+
+    @property
+    def teacher_view(self) -> PairedContextBatch:
+        """The contexts the teacher scores: :attr:`teacher` if set, else this batch."""
+        return self if self.teacher is None else self.teacher
 
     def to(self, device: torch.device | str) -> PairedContextBatch:
         return PairedContextBatch(
@@ -148,6 +158,7 @@ class PairedContextBatch:
             response_mask=self.response_mask.to(device),
             truncated_rows=self.truncated_rows,
             padding_side=self.padding_side,
+            teacher=None if self.teacher is None else self.teacher.to(device),
         )
 
     def rows(self, rows: slice) -> PairedContextBatch:
@@ -156,7 +167,9 @@ class PairedContextBatch:
         return PairedContextBatch(full=self.full.rows(rows), residual=self.residual.rows(rows),
                                   response_ids=self.response_ids[rows],
                                   response_mask=self.response_mask[rows],
-                                  truncated_rows=(), padding_side=self.padding_side)
+                                  truncated_rows=(), padding_side=self.padding_side,
+                                  teacher=None if self.teacher is None
+                                  else self.teacher.rows(rows))
 
 
 def resolve_pad_id(tokenizer: PreTrainedTokenizerBase | None, pad_token_id: int | None) -> int:

@@ -33,6 +33,7 @@ from pad ids: SmolLM2's pad token is its EOS ``<|im_end|>``, which ends most res
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -289,13 +290,23 @@ class TextContexts:
     when there is no processor).
 
     Attributes:
-        tokenizer: the shared tokenizer, with a chat template.
+        tokenizer: the student's tokenizer, with a chat template (rollouts were rendered by it).
         chat_template_kwargs: extra template variables, the same as the rollout engine's (e.g.
-            ``{"enable_thinking": False}``), so the contexts render the prompt that was sampled.
+            ``{"enable_thinking": False}``), so the contexts render the prompt that was sampled;
+            the teacher's template gets them too (Jinja ignores variables it does not use).
+        teacher_tokenizer: set when the teacher scores in its own chat template
+            (:attr:`saopd.models.vocab.VocabularyReport.teacher_contexts`): the batch then
+            carries ``teacher`` contexts, the messages rendered with this tokenizer's template
+            (full, and the residual with the teacher's own empty user turn) followed by the
+            response ids mapped with ``response_id_map``. None = both score the student's.
+        response_id_map: student id -> teacher id for response tokens (the student's EOS / end
+            of turn to the teacher's, ...); ids not in it are the same token on both sides.
     """
 
     tokenizer: Any
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    teacher_tokenizer: Any | None = None
+    response_id_map: dict[int, int] = field(default_factory=dict)
 
     processor = None  # text pairs have no processor (VisionContexts has one)
 
@@ -304,9 +315,21 @@ class TextContexts:
                 ) -> PairedContextBatch:
         """Full and residual contexts of ``B`` rollouts (:func:`collate_contexts`); ``step``
         gives the residual mode, ``keep_system``, the neutral prompt, ``max_length`` and the
-        truncation; ``prompt_ids`` are the exact prompts the responses were sampled from."""
-        return collate_contexts(
-            self.tokenizer, messages, response_ids, residual=step.residual,
-            keep_system=step.keep_system, neutral_prompt=step.neutral_prompt,
-            max_length=step.max_length, truncation=step.truncation, prompt_ids=prompt_ids,
-            chat_template_kwargs=self.chat_template_kwargs)
+        truncation; ``prompt_ids`` are the exact prompts the responses were sampled from (the
+        teacher's own contexts are rendered from the messages)."""
+        options = {"residual": step.residual, "keep_system": step.keep_system,
+                   "neutral_prompt": step.neutral_prompt, "max_length": step.max_length,
+                   "truncation": step.truncation,
+                   "chat_template_kwargs": self.chat_template_kwargs}
+        batch = collate_contexts(self.tokenizer, messages, response_ids, prompt_ids=prompt_ids,
+                                 **options)
+        if self.teacher_tokenizer is None:
+            return batch
+        mapping = self.response_id_map
+        mapped = [[mapping.get(i, i) for i in as_id_list(r, row)]
+                  for row, r in enumerate(response_ids)]
+        teacher = collate_contexts(self.teacher_tokenizer, messages, mapped, **options)
+        return dataclasses.replace(
+            batch, teacher=teacher,
+            truncated_rows=tuple(sorted(set(batch.truncated_rows)
+                                        | set(teacher.truncated_rows))))

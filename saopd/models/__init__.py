@@ -7,13 +7,13 @@ from saopd.models.pruning import decoder_stack, prune_layers
 from saopd.models.smollm2 import SMOLLM2_CHAT_TEMPLATE, smollm2_135m_instruct, smollm2_gguf_path
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.tokenizers import qwen_tokenizer, saopd_cache_root
-from saopd.models.vocab import VocabularyReport, check_same_vocabulary
+from saopd.models.vocab import VocabularyReport, check_vocabularies
 
 __all__ = [
     "SMOLLM2_CHAT_TEMPLATE",
     "HubUnavailableError",
     "VocabularyReport",
-    "check_same_vocabulary",
+    "check_vocabularies",
     "decoder_stack",
     "load_causal_lm",
     "load_tokenizer",

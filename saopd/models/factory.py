@@ -18,7 +18,7 @@ from saopd.models.vlm import (
     load_vlm,
     load_vlm_processor,
 )
-from saopd.models.vocab import VocabularyReport, check_same_vocabulary
+from saopd.models.vocab import VocabularyReport, check_vocabularies
 from saopd.registry import Registry
 
 if TYPE_CHECKING:
@@ -97,12 +97,14 @@ class ModelPair:
 
     Attributes:
         student, teacher: the two models (eval mode as built).
-        tokenizer: the student's tokenizer (shared vocabulary with the teacher's).
-        teacher_tokenizer: the teacher's own tokenizer.
+        tokenizer: the student's tokenizer (its ordinary-text ids are the teacher's).
+        teacher_tokenizer: the teacher's own tokenizer; its chat template renders the
+            teacher's contexts when ``vocab.teacher_contexts``.
         processor: the student's processor for a vision-language pair (the teacher's was
             checked equal), None for text pairs.
-        vocab: the vocabulary check (:func:`~saopd.models.loading.check_same_vocabulary`); its
-            ``common_logits`` is the head width both models score over.
+        vocab: the graded tokenizer check (:func:`~saopd.models.vocab.check_vocabularies`): its
+            ``kind``, the response id map and ``common_logits``, the head width both models
+            score over.
     """
 
     student: PreTrainedModel
@@ -119,7 +121,9 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
 
     Both must be text models or both vision-language models; a VLM pair's processors must agree
     (:func:`~saopd.models.vlm.check_same_processor`, rendering with ``chat_template_kwargs``),
-    and every pair must share one vocabulary (:func:`check_same_vocabulary`). Raises
+    and every pair must pass the graded tokenizer check (:func:`check_vocabularies`: same
+    ordinary-text ids; templates and special tokens may differ for text pairs, and the teacher
+    then scores its own contexts). A vision-language pair must be of kind ``same``. Raises
     ``ValueError`` saying which check failed.
     """
     if student_cfg.is_vision != teacher_cfg.is_vision:
@@ -136,5 +140,10 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
     else:
         student, tokenizer = build_model(student_cfg)
         teacher, teacher_tok = build_model(teacher_cfg)
-    vocab = check_same_vocabulary(tokenizer, teacher_tok, student, teacher)
+    vocab = check_vocabularies(tokenizer, teacher_tok, student, teacher)
+    if processor is not None and vocab.teacher_contexts:
+        raise ValueError(
+            "a vision-language teacher must share the student's tokenizer and chat template "
+            f"(this pair: {vocab.describe()}); teacher-own contexts are built for text pairs "
+            "only")
     return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab)

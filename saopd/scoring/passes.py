@@ -213,6 +213,12 @@ def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.M
                  stack_max_padding: float = 0.25) -> FrozenScores:
     """Teacher full (+ residual), student residual and reference passes, all without grad.
 
+    The teacher scores ``batch.teacher_view``: its own contexts (chat template, mapped response
+    ids) when the batch carries them, else the student's; its log-probs are of the same
+    response tokens, in the same ``[B, R]`` layout. With the exact KL over the vocabulary
+    (``needs.kl``), ids the pair's tokenizers name differently (renamed special tokens) are
+    compared id by id.
+
     ``stack_teacher``: when the residual pass runs, score the teacher's full and residual
     contexts in one forward over the 2B rows (:func:`stack_contexts`) instead of two, if the
     residual rows need at most ``stack_max_padding`` x the longer length in padding (text,
@@ -221,23 +227,27 @@ def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.M
     teacher time on 2 CPU cores).
     """
     targets = batch.response_ids
+    # the teacher's contexts: its own template and mapped response ids when it has them
+    # (batch.teacher), else the student's; gathered at the same [B, R] response tokens
+    tb = batch.teacher_view
+    t_targets = tb.response_ids
     lp_t_res = lp_s_res = lp_ref = None
-    if needs.residual and stack_teacher and _stackable(batch, stack_max_padding):
-        rows = targets.shape[0]
-        both = response_source(teacher, stack_contexts(batch.full, batch.residual),
+    if needs.residual and stack_teacher and _stackable(tb, stack_max_padding):
+        rows = t_targets.shape[0]
+        both = response_source(teacher, stack_contexts(tb.full, tb.residual),
                                vocab_size=vocab_size)
-        t = score_tokens(both, torch.cat([targets, targets]), entropy=needs.teacher_entropy,
-                         chunk_size=chunk_size)
+        t = score_tokens(both, torch.cat([t_targets, t_targets]),
+                         entropy=needs.teacher_entropy, chunk_size=chunk_size)
         t_src = _rows_of(both, slice(0, rows))
         lp_teacher, lp_t_res = t.logprobs[:rows], t.logprobs[rows:]
         entropy = None if t.entropy is None else t.entropy[:rows]
     else:
-        t_src = response_source(teacher, batch.full, vocab_size=vocab_size)
-        t = score_tokens(t_src, targets, entropy=needs.teacher_entropy, chunk_size=chunk_size)
+        t_src = response_source(teacher, tb.full, vocab_size=vocab_size)
+        t = score_tokens(t_src, t_targets, entropy=needs.teacher_entropy, chunk_size=chunk_size)
         lp_teacher, entropy = t.logprobs, t.entropy
         if needs.residual:
             lp_t_res = score_tokens(
-                response_source(teacher, batch.residual, vocab_size=vocab_size), targets,
+                response_source(teacher, tb.residual, vocab_size=vocab_size), t_targets,
                 chunk_size=chunk_size).logprobs
     if needs.residual:
         lp_s_res = score_tokens(response_source(student, batch.residual, vocab_size=vocab_size),

@@ -321,3 +321,14 @@ def test_errors(tiny_tok):
     no_template.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         build_contexts(no_template, msgs[0], [5])
+
+
+def test_teacher_contexts_are_built_for_text_pairs_only() -> None:
+    from saopd.contexts import context_builder
+    from saopd.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="text pairs only"):
+        context_builder(tok, object(), teacher_tokenizer=tok)
+    builder = context_builder(tok, teacher_tokenizer=tok, response_id_map={2: 0})
+    assert builder.teacher_tokenizer is tok and builder.response_id_map == {2: 0}

@@ -301,3 +301,40 @@ def test_logged_learning_rate_follows_the_warmup(make_cfg, tmp_path: Path) -> No
     client = mlflow.MlflowClient(out["tracking_uri"])
     lrs = sorted((m.step, m.value) for m in client.get_metric_history(out["run_id"], "train/lr"))
     assert [round(v, 10) for _, v in lrs] == [5e-4, 1e-3, 1e-3]
+
+
+def test_a_teacher_with_its_own_template_and_specials_trains(make_cfg, tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """A Qwen3 student with a teacher whose tokenizer renames the specials and has its own
+    template (DeepSeek-R1-0528-Qwen3-8B's shape): the pair is accepted as ``specials_differ``
+    and the teacher scores contexts rendered in its template, ending on its EOS."""
+    from saopd.models.tiny import tiny_qwen3
+    from saopd.models.tokenizers import qwen_tokenizer
+    from tests.helpers.tokenizer_pairs import deepseek_style_tokenizer
+
+    for name, tok, seed in (("student", qwen_tokenizer(), 1),
+                            ("teacher", deepseek_style_tokenizer(), 2)):
+        tiny_qwen3(tok, layers=1, hidden=32, head_dim=16, seed=seed).save_pretrained(
+            tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    seen: list = []
+    original = scoring.score_frozen
+
+    def spy(batch, **kw):
+        seen.append(batch)
+        return original(batch, **kw)
+
+    import saopd.lightning.module as module_mod
+
+    monkeypatch.setattr(module_mod, "score_frozen", spy)
+    summary = train(make_cfg("experiment=tiny", "steps=1", "student.tiny=null",
+                             "teacher.tiny=null", f"student.name_or_path={tmp_path / 'student'}",
+                             f"teacher.name_or_path={tmp_path / 'teacher'}", mlflow=False))
+    assert seen and seen[0].teacher is not None
+    tb = seen[0].teacher
+    assert int(tb.full.input_ids[0, 0]) == 151646  # the teacher's BOS opens its template
+    assert 151644 in tb.full.input_ids[0].tolist()  # <｜User｜> (the student's <|im_start|>)
+    ended = seen[0].response_ids == 151645  # rows that ended on the student's <|im_end|> ...
+    assert bool((tb.response_ids[ended] == 151643).all())  # ... end on the teacher's EOS
+    assert all(torch.isfinite(torch.tensor(v)) for v in summary.values()
+               if isinstance(v, float))

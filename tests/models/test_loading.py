@@ -14,7 +14,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import copy
 import json
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,8 @@ from saopd.models.smollm2 import (
     smollm2_135m_instruct,
     smollm2_gguf_path,
 )
-from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
+from saopd.models.tiny import tiny_llama, tiny_qwen3
 from saopd.models.tokenizers import qwen_tokenizer
-from saopd.models.vocab import check_same_vocabulary
 
 # ---------------------------------------------------------------------------------- SmolLM2
 
@@ -370,66 +368,6 @@ def test_prune_layers_validation(tiny_tok):
     with pytest.raises(ValueError, match="every"):
         prune_layers(model, every=True)
     assert model.config.num_hidden_layers == 4  # failed calls change nothing
-
-
-# ---------------------------------------------------------------------------------- vocab check
-
-
-def test_same_vocabulary_passes_and_reports(tiny_tok):
-    student = tiny_qwen3(tiny_tok)
-    teacher = tiny_qwen3(tiny_tok, layers=3, vocab_size=len(tiny_tok))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        report = check_same_vocabulary(tiny_tok, tiny_tokenizer(), student, teacher)
-    assert report.vocab_size == len(tiny_tok)
-    assert report.common_logits == len(tiny_tok) and report.warnings == ()
-
-
-def test_different_vocabularies_are_refused(tiny_tok, qwen_tok):
-    with pytest.raises(ValueError, match="do not share a vocabulary") as info:
-        check_same_vocabulary(tiny_tok, qwen_tok)
-    msg = str(info.value)
-    assert f"student has {len(tiny_tok)} tokens, teacher 151669" in msg
-    assert "first differing ids: id 0" in msg
-
-
-def test_different_special_tokens_are_refused(tiny_tok):
-    base = tiny_tokenizer()
-    base.eos_token = "<|endoftext|>"  # a Base student with an Instruct teacher
-    with pytest.raises(ValueError, match=r"eos: student '<\|endoftext\|>' \(id 0\)"):
-        check_same_vocabulary(base, tiny_tok)
-    padded = tiny_tokenizer()
-    padded.pad_token = "<|endoftext|>"
-    with pytest.raises(ValueError, match="pad"):
-        check_same_vocabulary(padded, tiny_tok)
-
-
-def test_chat_template_difference_warns_or_raises(tiny_tok):
-    other = tiny_tokenizer()
-    other.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    with pytest.warns(UserWarning, match="chat templates differ") as caught:
-        report = check_same_vocabulary(other, tiny_tok)
-    assert report.warnings
-    # the warning says which template is used, and shows both (issue 15, point 14)
-    text = str(caught[0].message)
-    assert "rendered with the student's template" in text
-    assert "{% for m in messages %}{{ m.content }}{% endfor %}" in text  # the student's
-    assert repr(" ".join(tiny_tok.chat_template.split())[:60])[1:-1] in text  # the teacher's
-    with pytest.raises(ValueError, match="chat templates differ"):
-        check_same_vocabulary(other, tiny_tok, strict_chat_template=True)
-
-
-def test_model_output_sizes(tiny_tok):
-    n = len(tiny_tok)
-    small = tiny_qwen3(tiny_tok)
-    padded = tiny_qwen3(tiny_tok, vocab_size=n + 64)
-    with pytest.warns(UserWarning, match="output vocabularies differ"):
-        report = check_same_vocabulary(tiny_tok, tiny_tok, small, padded)
-    assert (report.student_logits, report.teacher_logits, report.common_logits) == (n, n + 64, n)
-    too_small = tiny_qwen3(tiny_tok)
-    too_small.resize_token_embeddings(n - 10)
-    with pytest.raises(ValueError, match=f"teacher model outputs {n - 10} logits"):
-        check_same_vocabulary(tiny_tok, tiny_tok, small, too_small)
 
 
 def test_a_truncated_safetensors_file_names_the_model(tmp_path: Path, tiny_tok) -> None:

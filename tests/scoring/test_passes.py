@@ -75,3 +75,111 @@ def test_falls_back_when_padding_would_be_large(setup, monkeypatch):
     score_frozen(batch, student=student, teacher=teacher, reference=None, needs=needs,
                  stack_teacher=True, stack_max_padding=1.0)
     assert calls == [1]
+
+
+# ---- a teacher with its own chat template and renamed special tokens (issue 14, point 4) -----
+
+
+@pytest.fixture(scope="module")
+def deepseek_pair():
+    from saopd.contexts import context_builder
+    from saopd.models.tokenizers import qwen_tokenizer
+    from saopd.models.vocab import check_vocabularies
+    from tests.helpers.tokenizer_pairs import deepseek_style_tokenizer
+
+    student_tok, teacher_tok = qwen_tokenizer(), deepseek_style_tokenizer()
+    report = check_vocabularies(student_tok, teacher_tok)
+    builder = context_builder(student_tok, teacher_tokenizer=teacher_tok,
+                              response_id_map=report.response_id_map)
+    student = tiny_qwen3(student_tok, layers=1, hidden=32, head_dim=16, seed=3).eval()
+    teacher = tiny_qwen3(teacher_tok, layers=2, hidden=32, head_dim=16, seed=4).eval()
+    messages = [[{"role": "user", "content": "What is 17 + 25?"}],
+                [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": "Sort 3, 1, 2."}]]
+    eos = student_tok.eos_token_id
+    responses = [[*student_tok.encode("17 + 25 = 42. The answer is 42."), eos],
+                 [*student_tok.encode("1, 2, 3"), eos]]
+    return student_tok, teacher_tok, builder, student, teacher, messages, responses
+
+
+def _plain_logprobs(model, ids: list[int], start: int, targets: list[int]) -> torch.Tensor:
+    """Log-probs of ``targets`` at positions start-1 ... of one unpadded sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    logp = logits.log_softmax(-1)
+    return torch.stack([logp[start - 1 + i, t] for i, t in enumerate(targets)]).float()
+
+
+def test_teacher_scores_its_own_template_with_mapped_ids(deepseek_pair):
+    from saopd.config.step import StepConfig
+
+    s_tok, t_tok, builder, student, teacher, messages, responses = deepseek_pair
+    batch = builder.collate(messages, responses, step=StepConfig())
+    tb = batch.teacher
+    assert tb is not None and batch.teacher_view is tb
+    mapped = [[151643 if i == s_tok.eos_token_id else i for i in r] for r in responses]
+    for b, (msgs, resp) in enumerate(zip(messages, responses, strict=True)):
+        # the student's contexts are what they were: its template + its ids
+        s_prompt = s_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        s_ids = s_tok.encode(s_prompt, add_special_tokens=False) + resp
+        assert batch.full.input_ids[b, : len(s_ids)].tolist() == s_ids
+        # the teacher's: its template (BOS, <｜User｜>, <｜Assistant｜>) + the mapped ids,
+        # the residual with its own empty user turn (the system turn dropped, as the student's)
+        t_full = t_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        assert t_full.startswith("<｜begin▁of▁sentence｜>") and "<｜User｜>" in t_full
+        t_ids = t_tok.encode(t_full, add_special_tokens=False) + mapped[b]
+        assert tb.full.input_ids[b, : len(t_ids)].tolist() == t_ids
+        t_res = t_tok.encode(t_tok.apply_chat_template(
+            [{"role": "user", "content": ""}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False) + mapped[b]
+        assert tb.residual.input_ids[b, : len(t_res)].tolist() == t_res
+        assert tb.response_ids[b, -1 if b == 0 else len(resp) - 1] == 151643  # teacher EOS
+    assert torch.equal(tb.response_mask, batch.response_mask)
+
+    needs = ScoringNeeds(residual=True, teacher_entropy=True, kl=True)
+    for stack in (False, True):
+        frozen = score_frozen(batch, student=student, teacher=teacher, reference=None,
+                              needs=needs, stack_teacher=stack, stack_max_padding=1.0)
+        for b, resp in enumerate(responses):
+            r = len(resp)
+            starts = (int(tb.full.starts[b]), int(tb.residual.starts[b]))
+            full = tb.full.input_ids[b, : int(tb.full.lengths[b])].tolist()
+            res = tb.residual.input_ids[b, : int(tb.residual.lengths[b])].tolist()
+            # a plain forward of the teacher on its own ids gives the same numbers, token for
+            # token at the same response slots as the student's
+            torch.testing.assert_close(frozen.lp_teacher[b, :r],
+                                       _plain_logprobs(teacher, full, starts[0], mapped[b]),
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(frozen.lp_teacher_res[b, :r],
+                                       _plain_logprobs(teacher, res, starts[1], mapped[b]),
+                                       atol=1e-5, rtol=0)
+            # the student scored its own residual context and its own ids
+            s_res = batch.residual.input_ids[b, : int(batch.residual.lengths[b])].tolist()
+            torch.testing.assert_close(
+                frozen.lp_student_res[b, :r],
+                _plain_logprobs(student, s_res, int(batch.residual.starts[b]), resp),
+                atol=1e-5, rtol=0)
+    # micro-batches carry the teacher's rows too
+    assert batch.rows(slice(1, 2)).teacher.full.input_ids.shape[0] == 1
+
+
+def test_same_tokenizer_teacher_contexts_score_exactly_as_before(setup):
+    """Teacher contexts built with the student's own tokenizer are the student's contexts, and
+    scoring them gives bit-identical results to the batch without them (the path every
+    same-template pair takes)."""
+    from saopd.config.step import StepConfig
+    from saopd.contexts import TextContexts
+
+    tok, teacher, student, messages, responses = setup
+    plain = TextContexts(tok).collate(messages, responses, step=StepConfig())
+    own = TextContexts(tok, teacher_tokenizer=tok).collate(messages, responses,
+                                                           step=StepConfig())
+    assert plain.teacher is None and plain.teacher_view is plain
+    for name in ("input_ids", "attention_mask", "gather_index"):
+        assert torch.equal(getattr(own.teacher.full, name), getattr(plain.full, name))
+        assert torch.equal(getattr(own.teacher.residual, name), getattr(plain.residual, name))
+    needs = ScoringNeeds(residual=True, teacher_entropy=True)
+    a = score_frozen(plain, student=student, teacher=teacher, reference=None, needs=needs)
+    b = score_frozen(own, student=student, teacher=teacher, reference=None, needs=needs)
+    for name in ("lp_teacher", "lp_teacher_res", "lp_student_res", "entropy_teacher"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
