@@ -100,7 +100,11 @@ class VLLMRolloutConfig(RolloutConfig):
         weight_bucket_mb: size of the buckets a weight sync gathers (FSDP) and ships in, MiB.
         sync_transport: ``auto`` | ``iterator`` (tensors through ``collective_rpc``, in-process
             only) | ``files`` (safetensors shards in ``/dev/shm``).
-        in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+            with several training processes each rank's engine core always runs in its own
+            process (README, "Rollouts with vLLM").
+        startup_timeout: seconds the engine's start-up may take before the run stops with a
+            message (0 = no limit).
         verify_sync: check that every sync landed (cheap sums of embeddings and norms, the
             packed LM head).
         model_dir: where the initial student is saved for vLLM (null = a temporary folder in
@@ -126,6 +130,7 @@ class VLLMRolloutConfig(RolloutConfig):
     verify_sync: bool = True
     model_dir: str | None = None
     max_images_per_prompt: int = 4
+    startup_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,5 +143,6 @@ class VLLMRolloutConfig(RolloutConfig):
         check_int("tensor_parallel_size", self.tensor_parallel_size, owner="rollout")
         check_choice("sleep_level", self.sleep_level, (1, 2), owner="rollout")
         check_int("weight_bucket_mb", self.weight_bucket_mb, owner="rollout")
+        check_number("startup_timeout", self.startup_timeout, low=0.0, owner="rollout")
         check_choice("sync_transport", self.sync_transport, SYNC_TRANSPORTS, owner="rollout")
         check_int("max_images_per_prompt", self.max_images_per_prompt, owner="rollout")

@@ -53,6 +53,21 @@ discards the weights too (nothing to offload: the next sync replaces them anyway
 users have reported stale weights or gibberish after level-2 wake-ups: keep ``verify_sync`` on
 with it. vLLM's CPU backend has no sleep mode (``ValueError``). Not run here (no GPU).
 
+Several training processes (``trainer=ddp|fsdp|cpu_ddp``, torchrun, SLURM): every rank owns a
+colocated engine and samples its own share of the step's prompts (the batch-global filter and
+loss normalisation are unchanged). :meth:`VLLMEngine.from_config` then gives each rank a clean
+start: the engine core runs in its own process (an in-process engine would initialise
+``torch.distributed``'s default group inside the trainer, or join the trainer's group and wait
+for the other ranks), started without the launcher's ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ... variables, and on GPU with ``CUDA_VISIBLE_DEVICES`` narrowed to the rank's
+local device (``gpu_memory_utilization`` is then the share of that device); the student is saved
+to a folder of its own on every rank (transformers' ``save_pretrained`` writes only on rank 0
+under an initialised process group); start-up that does not finish within ``startup_timeout``
+seconds stops with a message naming the rank. Weights reach each rank's engine after every
+optimizer step through the ``files`` transport; with FSDP2 every rank takes part in the bucket
+by bucket gathers (:mod:`saopd.rollout.vllm_sync`). Tensor parallelism across training ranks is
+not built (``ValueError``): use rollout servers (``rollout=vllm_server``) for models that need it.
+
 In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
 python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
 intra-op thread and disables ``torch.set_num_threads`` (both restored, so the training step in
@@ -115,7 +130,8 @@ from saopd.validation import check_choice, check_int, check_number
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ENGINE_OPTIONS", "VLLMEngine", "require_vllm"]
+__all__ = ["ENGINE_OPTIONS", "LAUNCHER_VARIABLES", "VLLMEngine", "engine_environment",
+           "require_vllm", "training_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +177,100 @@ def _preserve_process_state() -> Iterator[None]:
             torch.set_num_threads(threads)
 
 
+#: Variables of torchrun / Lightning / SLURM launches that tell a process it is one rank of a
+#: torch.distributed job; a colocated engine core starts without them.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def training_rank() -> tuple[int, int]:
+    """``(global rank, local rank)`` of this training process, from the launcher's variables
+    (``RANK`` / ``LOCAL_RANK``, Lightning's ``NODE_RANK``) or the initialised process group;
+    ``(0, 0)`` for the first process of a Lightning launch, before it starts the others."""
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), local
+    if os.environ.get("RANK"):
+        return int(os.environ["RANK"]), local
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
+    return (node * per_node + local if per_node else local), local
+
+
+@contextlib.contextmanager
+def engine_environment(local_rank: int | None) -> Iterator[None]:
+    """For a colocated engine (``local_rank`` set): the environment its engine core process
+    starts in: no launcher variables (:data:`LAUNCHER_VARIABLES`) and, with CUDA, only the
+    rank's local device visible. Restored afterwards. Nothing changes for ``None``."""
+    if local_rank is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES")}
+    for key in LAUNCHER_VARIABLES:
+        os.environ.pop(key, None)
+    if torch.cuda.is_available():
+        visible = saved["CUDA_VISIBLE_DEVICES"]
+        devices = (visible.split(",") if visible else
+                   [str(i) for i in range(torch.cuda.device_count())])
+        if local_rank >= len(devices):
+            raise ValueError(f"local rank {local_rank} has no GPU of its own (visible devices: "
+                             f"{devices})")
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
+    """Raise ``RuntimeError`` in this (main) thread if the block runs past ``seconds``
+    (``SIGALRM``; not available off the main thread or on Windows: then no deadline)."""
+    import signal
+    import threading
+
+    usable = (seconds > 0 and hasattr(signal, "SIGALRM")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+    where = "" if local_rank is None else f" (local rank {local_rank})"
+
+    def expired(signum: int, frame: Any) -> None:
+        raise RuntimeError(
+            f"the vLLM engine{where} did not start within rollout.startup_timeout = {seconds:g} "
+            "s; with several training processes see README, 'Rollouts with vLLM' (each rank's "
+            "engine needs its own device share and a clean start)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _saving_on_every_rank(model: Any) -> Iterator[None]:
+    """``model.save_pretrained`` writes config and weights on this rank too: transformers
+    writes only on rank 0 under an initialised process group, and each rank's engine needs its
+    own folder."""
+    model.should_save_on_this_rank = lambda is_main_process=True: True
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
 @ENGINES.register("vllm")
 class VLLMEngine:
     """Samples rollouts with vLLM from its own copy of the student; synced by ``load_weights``.
@@ -204,6 +314,11 @@ class VLLMEngine:
             (:meth:`from_model` does).
         max_images_per_prompt: vLLM's image limit per prompt (``limit_mm_per_prompt``); a prompt
             with more images is refused (``ValueError`` naming it). Vision models only.
+        startup_timeout: seconds vLLM's start-up may take before the engine gives up with a
+            ``RuntimeError`` (a start-up that cannot complete never hangs the run).
+        local_rank: this training rank's local index when several training processes each own
+            an engine (module docstring): the engine core starts in a clean environment, on GPU
+            on this local device only. None = one training process.
         llm_kwargs: more ``vllm.LLM`` arguments, passed through.
     """
 
@@ -236,6 +351,8 @@ class VLLMEngine:
         seed: int = 0,
         processor: Any | None = None,
         max_images_per_prompt: int = _DEFAULTS.max_images_per_prompt,
+        startup_timeout: float = _DEFAULTS.startup_timeout,
+        local_rank: int | None = None,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
@@ -257,6 +374,12 @@ class VLLMEngine:
         check_int("weight_bucket_mb", weight_bucket_mb, owner="VLLMEngine")
         check_int("seed", seed, owner="VLLMEngine", minimum=0)
         check_int("max_images_per_prompt", max_images_per_prompt, owner="VLLMEngine")
+        check_number("startup_timeout", startup_timeout, low=0.0, owner="VLLMEngine")
+        check_int("local_rank", local_rank, owner="VLLMEngine", minimum=0, allow_none=True)
+        if local_rank is not None and in_process:
+            raise ValueError("VLLMEngine.local_rank (an engine per training rank) needs "
+                             "in_process=False: an in-process engine would use the trainer's "
+                             "torch.distributed")
         if processor is not None:
             check_engine_processor(processor, tokenizer, "VLLMEngine")
         check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0,
@@ -330,7 +453,8 @@ class VLLMEngine:
         if processor is not None:  # images only; vLLM profiles memory for this many per prompt
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
         kwargs.update(llm_kwargs or {})
-        with _preserve_process_state():
+        with _preserve_process_state(), engine_environment(local_rank), \
+                _startup_deadline(startup_timeout, local_rank):
             self.llm = LLM(**kwargs)
         if processor is not None and not callable(
                 getattr(self.llm.llm_engine, "reset_encoder_cache", None)):
@@ -353,19 +477,33 @@ class VLLMEngine:
         """The engine ``rollout=vllm`` builds (:func:`saopd.rollout.registry.build_engine`):
         :meth:`from_model` with every option of ``conf`` (:data:`ENGINE_OPTIONS`).
 
-        Raises ``ValueError`` when the run starts more than one training process: every rank
-        would start its own engine (on the first GPU)."""
+        With more than one training process, this rank's colocated engine (module docstring):
+        out of process, a clean environment, the rank's local device, its own model folder
+        (``model_dir/rank<R>`` when ``model_dir`` is set). ``ValueError`` for
+        ``tensor_parallel_size > 1`` there."""
         processes = max(setup.training_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        options = {name: getattr(conf, name) for name in ENGINE_OPTIONS}
+        model_dir = conf.model_dir
+        local_rank = None
         if processes > 1:
-            raise ValueError(
-                f"rollout.engine=vllm runs with one training process only (this run would start "
-                f"{processes}: every rank would start its own vLLM engine); use rollout=hf with "
-                "several devices")
+            if conf.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"rollout.tensor_parallel_size={conf.tensor_parallel_size} with {processes} "
+                    "training processes: colocated engines are one per rank and unsharded; "
+                    "serve a model that needs tensor parallelism with saopd-serve "
+                    "(rollout=vllm_server)")
+            rank, local_rank = training_rank()
+            if options["in_process"]:
+                log.info("rank %d: the vLLM engine core runs in its own process (an in-process "
+                         "engine cannot share the trainer's torch.distributed)", rank)
+            options["in_process"] = False
+            if model_dir is not None:
+                model_dir = str(Path(model_dir) / f"rank{rank}")
         return cls.from_model(
-            student, tokenizer, model_dir=conf.model_dir, greedy=conf.greedy,
+            student, tokenizer, model_dir=model_dir, greedy=conf.greedy,
             max_prompt_length=setup.max_prompt_length, prompt_truncation=setup.prompt_truncation,
             chat_template_kwargs=setup.chat_template_kwargs, seed=setup.seed,
-            processor=setup.processor, **{name: getattr(conf, name) for name in ENGINE_OPTIONS})
+            processor=setup.processor, local_rank=local_rank, **options)
 
     @classmethod
     def from_model(
@@ -391,7 +529,8 @@ class VLLMEngine:
             atexit.register(shutil.rmtree, folder, True)
         expected = {canonical_weight_name(n): tuple(p.shape)
                     for n, p in model.named_parameters()}
-        model.save_pretrained(folder, safe_serialization=True)
+        with _saving_on_every_rank(model):
+            model.save_pretrained(folder, safe_serialization=True)
         processor = kwargs.get("processor")
         if processor is not None:  # tokenizer, chat template and image settings, for vLLM
 

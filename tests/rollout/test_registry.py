@@ -133,19 +133,60 @@ def test_bad_vllm_values_name_the_key(override: str, match: str, tmp_path: Path)
         to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm", override))
 
 
-def test_factory_refuses_several_processes(tmp_path: Path, tiny_tok) -> None:
+def test_several_processes_get_colocated_engines_without_tensor_parallelism(
+        tmp_path: Path, tiny_tok, monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
+    from saopd.rollout.vllm import VLLMEngine
 
-    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm")).rollout
+    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm",
+                                         "rollout.tensor_parallel_size=2")).rollout
     model = tiny_qwen3(tiny_tok)
-    with pytest.raises(ValueError, match=r"one training process only \(this run would start 2"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with 2 training processes.*"
+                                         r"saopd-serve"):
         build_engine(conf, model, tiny_tok, devices=2)
-    with pytest.raises(ValueError, match=r"start 4"):
+    with pytest.raises(ValueError, match=r"with 4 training processes"):
         build_engine(conf, model, tiny_tok, devices=[0, 1], num_nodes=2)
-    with pytest.raises(ValueError, match=r"rollout.max_images_per_prompt must be"):
-        to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm",
-                                      "rollout.max_images_per_prompt=0"))
+    # one engine per rank: out of process, a folder per rank, the rank's local device
+    seen: dict = {}
+
+    def fake_from_model(cls, student, tokenizer, **kw):
+        seen.update(kw)
+        return "engine"
+
+    monkeypatch.setattr(VLLMEngine, "from_model", classmethod(fake_from_model))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "3")
+    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm",
+                                         f"rollout.model_dir={tmp_path / 'm'}")).rollout
+    assert conf.in_process  # the default, overridden for colocated engines
+    assert build_engine(conf, model, tiny_tok, devices=2, num_nodes=2) == "engine"
+    assert seen["in_process"] is False and seen["local_rank"] == 1
+    assert seen["model_dir"] == str(tmp_path / "m" / "rank3")
+    seen.clear()
+    build_engine(conf, model, tiny_tok, devices=1)  # one process: as configured
+    assert seen["in_process"] is True and seen["local_rank"] is None
     assert num_training_processes("1") == 1 and num_training_processes([0, 1, 2]) == 3
+
+
+def test_a_colocated_engine_starts_in_a_clean_environment(monkeypatch) -> None:
+    import os
+
+    from saopd.rollout.vllm import LAUNCHER_VARIABLES, engine_environment, training_rank
+
+    for key in LAUNCHER_VARIABLES:
+        monkeypatch.setenv(key, "7")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "5")
+    assert training_rank() == (5, 1)
+    with engine_environment(1):
+        assert not any(key in os.environ for key in LAUNCHER_VARIABLES)
+    assert os.environ["MASTER_PORT"] == "7" and os.environ["RANK"] == "5"  # restored
+    with engine_environment(None):  # one training process: untouched
+        assert os.environ["MASTER_ADDR"] == "7"
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("NODE_RANK", "2")
+    assert training_rank() == (9, 1)  # Lightning's launch: node 2 x 4 per node + local 1
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
@@ -217,7 +258,7 @@ VLLM_NON_DEFAULTS: dict[str, Any] = {
     "max_model_len": 777, "gpu_memory_utilization": 0.5, "kv_cache_gb": 0.25,
     "enforce_eager": True, "tensor_parallel_size": 2, "enable_sleep_mode": True,
     "sleep_level": 2, "weight_bucket_mb": 64, "sync_transport": "files", "in_process": False,
-    "verify_sync": False, "max_images_per_prompt": 2,
+    "verify_sync": False, "max_images_per_prompt": 2, "startup_timeout": 123.0,
 }
 
 
@@ -245,7 +286,7 @@ def test_build_engine_passes_every_vllm_option_to_from_model(
     assert recorded["model"] is student and recorded["tokenizer"] is tokenizer
     # every option with the config's value, the run's setup, nothing else (n, temperature and
     # max_new_tokens come with each request)
-    assert recorded["kwargs"] == {**VLLM_NON_DEFAULTS, **setup}
+    assert recorded["kwargs"] == {**VLLM_NON_DEFAULTS, **setup, "local_rank": None}
 
 
 def test_hf_engine_options_are_init_keywords_with_the_config_defaults() -> None:
