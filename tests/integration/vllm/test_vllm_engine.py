@@ -124,6 +124,18 @@ def test_bad_engine_options(tok, tmp_path) -> None:
             VLLMEngine.from_model(model, tok, model_dir=tmp_path / "m", **{**ENGINE_KW, **kwargs})
 
 
+def test_a_start_up_past_its_deadline_stops_with_a_message(tok, tmp_path) -> None:
+    """A vLLM start-up that cannot complete (seen: an engine waiting on the trainer's process
+    group) must end with a message, never hang: here a deadline no start-up can meet."""
+    model = _model(tok, 1)
+    with pytest.raises(RuntimeError, match=r"did not start within rollout.startup_timeout = "
+                                           r"0.01 s"):
+        VLLMEngine.from_model(model, tok, model_dir=tmp_path / "m", startup_timeout=0.01,
+                              **ENGINE_KW)
+    with pytest.raises(ValueError, match=r"local_rank .* needs in_process=False"):
+        VLLMEngine.from_model(model, tok, model_dir=tmp_path / "m2", local_rank=0, **ENGINE_KW)
+
+
 def test_nan_weights_are_caught_at_sync_and_in_samples(tok) -> None:
     good, bad = _model(tok, 1), _model(tok, 1)
     with torch.no_grad():
