@@ -15,10 +15,18 @@ from hypothesis import given, settings
 from saopd.filters import FILTERS, build_filter
 from saopd.objectives import OBJECTIVES, aggregate, build_objective
 from saopd.signals import TokenSignals
-from tests.conftest import random_signals
+from tests.conftest import random_signals as plain_signals
+from tests.signals.topk_data import TOPK_K, with_topk
 
 FILTER_NAMES = FILTERS.names()
 OBJECTIVE_NAMES = OBJECTIVES.names()
+
+
+def random_signals(batch: int, length: int, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   student_grad: bool = False, **kw: object) -> TokenSignals:
+    """``tests.conftest.random_signals`` plus both top-K groups (``tests.signals.topk_data``)."""
+    s = plain_signals(batch, length, seed=seed, dtype=dtype, student_grad=student_grad, **kw)
+    return with_topk(s, seed=seed, dtype=dtype, student_grad=student_grad)
 
 
 def step(signals: TokenSignals, filter_name: str, objective_name: str, seed: int = 0,
@@ -40,8 +48,11 @@ def pad(signals: TokenSignals, extra: int, seed: int) -> TokenSignals:
         if name == "valid":
             values[name] = torch.cat([value, torch.zeros(value.shape[0], extra, dtype=torch.bool)],
                                      1)
+        elif name.endswith("_ids"):  # junk ids, repeated ones too
+            junk = torch.randint(0, 3, (value.shape[0], extra, value.shape[2]), generator=g)
+            values[name] = torch.cat([value, junk], 1)
         else:
-            junk = -5 * torch.rand(value.shape[0], extra, generator=g)
+            junk = -5 * torch.rand(value.shape[0], extra, *value.shape[2:], generator=g)
             values[name] = torch.cat([value.detach(), junk], 1)
     return TokenSignals(**values)
 
@@ -49,13 +60,14 @@ def pad(signals: TokenSignals, extra: int, seed: int) -> TokenSignals:
 def with_(s: TokenSignals, **changes: torch.Tensor) -> TokenSignals:
     new = dataclasses.replace(s, **changes)
     new.student_leaf = s.student_leaf  # type: ignore[attr-defined]
+    new.topk_leaf = s.topk_leaf  # type: ignore[attr-defined]
     return new
 
 
 def test_registry_is_complete() -> None:
     assert set(FILTER_NAMES) >= {"none", "sa_opd", "random", "divergence_only", "ig_only",
-                                 "proxy_replacement", "tip", "fire"}
-    assert set(OBJECTIVE_NAMES) >= {"sampled", "full_kl", "exopd"}
+                                 "proxy_replacement", "tip", "fire", "teachability"}
+    assert set(OBJECTIVE_NAMES) >= {"sampled", "full_kl", "exopd", "topk_kl", "entropy_aware"}
 
 
 @pytest.mark.parametrize("objective_name", OBJECTIVE_NAMES)
@@ -87,9 +99,13 @@ def test_no_nan_or_inf(filter_name, objective_name, case) -> None:
         one[1, 2] = True
         s = with_(s, valid=one)
     if case == "identical_models":  # A_full == 0 everywhere: no loss mass at all
-        s = with_(s, lp_teacher=s.lp_student.detach().clone(), lp_teacher_res=s.lp_student_res)
+        s = with_(s, lp_teacher=s.lp_student.detach().clone(), lp_teacher_res=s.lp_student_res,
+                  teacher_topk_lp_teacher=s.teacher_topk_lp_student.detach().clone(),
+                  student_topk_lp_teacher=s.student_topk_lp_student)
     if case == "minus_inf_teacher":
-        s = with_(s, lp_teacher=torch.full((3, 8), float("-inf")))
+        minus_inf = torch.full((3, 8, TOPK_K), float("-inf"))
+        s = with_(s, lp_teacher=torch.full((3, 8), float("-inf")),
+                  teacher_topk_lp_teacher=minus_inf, student_topk_lp_teacher=minus_inf)
     result, out, loss = step(s, filter_name, objective_name)
     assert torch.isfinite(out.loss).all() and torch.isfinite(loss)
     assert all(torch.isfinite(v) for v in out.metrics.values())
@@ -98,8 +114,8 @@ def test_no_nan_or_inf(filter_name, objective_name, case) -> None:
     assert torch.equal(result.keep | result.filtered, s.valid)
     assert not (result.keep & result.filtered).any()
     if loss.requires_grad:
-        (grad,) = torch.autograd.grad(loss, s.student_leaf, allow_unused=True)
-        assert grad is None or torch.isfinite(grad).all()
+        grads = torch.autograd.grad(loss, [s.student_leaf, s.topk_leaf], allow_unused=True)
+        assert all(grad is None or torch.isfinite(grad).all() for grad in grads)
 
 
 @pytest.mark.parametrize("objective_name", OBJECTIVE_NAMES)

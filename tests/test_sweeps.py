@@ -18,7 +18,7 @@ from tests.conftest import REPO
 
 STUDIES = {
     "ablation_filters": {"method": "opd,random,divergence_only,ig_only,proxy_replacement,sa_opd"},
-    "baselines": {"method": "opd,exopd,tip,fire_opd,sa_opd"},
+    "baselines": {"method": "opd,exopd,tip,fire_opd,teachability,entropy_aware,sa_opd"},
     "beta_sensitivity": {"filter": "sa_opd_flmr",
                          "filter.beta_max": "0.006,0.012,0.018,0.024,0.03"},
     "p1p2_grid": {"filter.p1": "0.1,0.2,0.3", "filter.p2": "0.2,0.3,0.4"},
@@ -26,6 +26,8 @@ STUDIES = {
 METHODS = {"opd": ("none", "sampled", "OPD"), "exopd": ("none", "exopd", "ExOPD"),
            "tip": ("tip", "sampled", "TIP"), "fire_opd": ("fire", "sampled", "FiRe-OPD"),
            "sa_opd": ("sa_opd", "sampled", "SA-OPD"),
+           "teachability": ("teachability", "sampled", "TA-OPD"),
+           "entropy_aware": ("none", "entropy_aware", "Entropy-Aware OPD"),
            "random": ("random", "sampled", "Random Filter"),
            "divergence_only": ("divergence_only", "sampled", "Divergence-only Filter"),
            "ig_only": ("ig_only", "sampled", "Input-Groundedness-only Filter"),

@@ -67,15 +67,18 @@ FILTER_LABELS: dict[str, str | None] = {
     "proxy_replacement": "Proxy Replacement",
     "tip": "TIP",
     "fire": "FiRe-OPD",
+    "teachability": "TA-OPD",
 }
 """Paper names of the registered filters (``None``: no filter, the objective names the row)."""
 
 OBJECTIVE_LABELS: dict[str, str | None] = {"sampled": None, "full_kl": "full KL",
-                                           "exopd": "ExOPD"}
+                                           "exopd": "ExOPD", "topk_kl": "top-k KL",
+                                           "entropy_aware": "Entropy-Aware OPD"}
 """Paper names of the objectives (``None``: the default sampled OPD objective)."""
 
-METHOD_ORDER = ("OPD", "ExOPD", "FiRe-OPD", "TIP", "Random Filter", "Divergence-only Filter",
-                "Input-Groundedness-only Filter", "Proxy Replacement", "SA-OPD")
+METHOD_ORDER = ("OPD", "ExOPD", "FiRe-OPD", "TIP", "TA-OPD", "Entropy-Aware OPD",
+                "Random Filter", "Divergence-only Filter", "Input-Groundedness-only Filter",
+                "Proxy Replacement", "SA-OPD")
 """Row order of the paper's Tables 2 and 3: baselines, ablations, SA-OPD last."""
 
 BENCHMARK_LABELS: dict[str, str] = {
@@ -266,8 +269,8 @@ def method_name(filter_name: str | None, objective: str | None) -> str:
     objective = objective or "sampled"
     o = OBJECTIVE_LABELS.get(objective, objective)
     if f is None:
-        if objective == "exopd":
-            return "ExOPD"
+        if objective in ("exopd", "entropy_aware"):  # methods that are an objective alone
+            return str(o)
         return BASELINE_LABEL if o is None else f"{BASELINE_LABEL} ({o})"
     return f if o is None else f"{f} ({o})"
 

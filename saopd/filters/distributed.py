@@ -30,7 +30,8 @@ def world_size() -> int:
 
 def gather_rows(local: torch.Tensor, width: int, group: dist.ProcessGroup | None = None
                 ) -> tuple[torch.Tensor, list[int]]:
-    """All ranks' ``[B_r, T_r]`` tensors as one ``[sum B_r, width]`` tensor, in rank order.
+    """All ranks' ``[B_r, T_r, *rest]`` tensors as one ``[sum B_r, width, *rest]`` tensor, in
+    rank order (``rest``, e.g. the K of a top-k field, is the same on every rank).
 
     Columns past a rank's ``T_r`` are zero (False for bool). Returns the tensor and every
     rank's row count. ``width`` must be >= every ``T_r`` (the max over ranks).
@@ -40,7 +41,8 @@ def gather_rows(local: torch.Tensor, width: int, group: dist.ProcessGroup | None
     counts = [torch.zeros_like(rows) for _ in range(world)]
     dist.all_gather(counts, rows, group=group)
     sizes = [int(c) for c in counts]
-    padded = torch.zeros((max(sizes), width), dtype=local.dtype, device=local.device)
+    padded = torch.zeros((max(sizes), width, *local.shape[2:]), dtype=local.dtype,
+                         device=local.device)
     padded[: local.shape[0], : local.shape[1]] = local
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)

@@ -107,7 +107,7 @@ class OPDModule(L.LightningModule):
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.contexts = contexts if contexts is not None else TextContexts(tokenizer)
         extra = ("entropy_student",) if self.step_cfg.log_entropy else ()
-        self.needs = ScoringNeeds.from_fields(token_filter.needs, objective.needs, extra)
+        self.needs = ScoringNeeds.of(token_filter, objective, extra=extra)
         self.metrics = TrainMetrics()
         self.pending_rollouts: RolloutBatch | None = None
         self.step_started: float | None = None

@@ -1,23 +1,30 @@
 """Objectives (per-token OPD losses) and the one aggregation function.
 
 Registered: ``sampled`` (vanilla OPD estimator, optional truncated importance ratio), ``full_kl``
-(exact reverse KL over the vocabulary, Eq. 19) and ``exopd`` (ExOPD reward extrapolation).
+(exact reverse KL over the vocabulary, Eq. 19), ``exopd`` (ExOPD reward extrapolation), ``topk_kl``
+(forward or reverse KL on the teacher's top-K ids, tail lumped) and ``entropy_aware``
+(Entropy-Aware OPD: sampled OPD plus the top-K forward KL where the teacher's entropy is high).
 """
 
 from saopd.choices import AGGREGATIONS
-from saopd.objectives import full_kl, sampled  # noqa: F401  (registration)
+from saopd.objectives import full_kl, sampled, topk_kl  # noqa: F401  (registration)
 from saopd.objectives.aggregation import aggregate
 from saopd.objectives.base import OBJECTIVES, Objective, ObjectiveOutput, build_objective
 from saopd.objectives.sampled import ExOPD, SampledOPD, sampled_opd_loss
+from saopd.objectives.topk_kl import KL_DIRECTIONS, EntropyAwareOPD, TopKKL, teacher_topk_kl
 
 __all__ = [
     "AGGREGATIONS",
+    "KL_DIRECTIONS",
     "OBJECTIVES",
+    "EntropyAwareOPD",
     "ExOPD",
     "Objective",
     "ObjectiveOutput",
     "SampledOPD",
+    "TopKKL",
     "aggregate",
     "build_objective",
     "sampled_opd_loss",
+    "teacher_topk_kl",
 ]

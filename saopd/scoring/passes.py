@@ -5,11 +5,11 @@ One training step scores the same response tokens up to five times:
 ====================  =========  ===============================================
 pass                  gradient   when
 ====================  =========  ===============================================
-teacher, full         no         always (lpT; H_T for FiRe; its head for the KL)
+teacher, full         no         always (lpT; H_T for FiRe; its head for the KL, top-k)
 teacher, residual     no         filters that need the grounding gap
 student, residual     no         filters that need the grounding gap
 reference, full       no         ExOPD (lpRef)
-student, full         yes        always (lpS; H_S, exact KL when asked)
+student, full         yes        always (lpS; H_S, exact KL, top-k lists when asked)
 ====================  =========  ===============================================
 
 Each pass runs the model's backbone once over its context, keeps the hidden states only at the
@@ -29,6 +29,7 @@ import torch
 from saopd.contexts.batch import ContextBatch, PairedContextBatch
 from saopd.models.sharding import is_fsdp2
 from saopd.signals import LMHead, Logits, LogitSource, TokenSignals, score_tokens
+from saopd.signals.token_signals import STUDENT_TOPK_FIELDS, TEACHER_TOPK_FIELDS, TOPK_FIELDS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,7 +39,11 @@ _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 @dataclass(frozen=True)
 class ScoringNeeds:
-    """Which optional signals a step must compute (from the filter's and objective's needs)."""
+    """Which optional signals a step must compute (from the filter's and objective's needs).
+
+    ``teacher_top_k`` / ``student_top_k``: K of the teacher's / the student's top-K lists
+    (0 = not computed), computed in the student's full pass against the teacher's head.
+    """
 
     residual: bool = False
     student_entropy: bool = False
@@ -46,14 +51,27 @@ class ScoringNeeds:
     kl: bool = False
     reference: bool = False
     sampler: bool = False
+    teacher_top_k: int = 0
+    student_top_k: int = 0
+
+    @property
+    def teacher_head(self) -> bool:
+        """Whether the student's pass scores against the teacher's head (exact KL, top-k)."""
+        return self.kl or self.teacher_top_k > 0 or self.student_top_k > 0
 
     @classmethod
-    def from_fields(cls, *field_lists: tuple[str, ...]) -> ScoringNeeds:
+    def from_fields(cls, *field_lists: tuple[str, ...], top_k: int = 0) -> ScoringNeeds:
+        """The needs of these :class:`TokenSignals` field lists; ``top_k`` is the K of the
+        top-k fields among them (the largest any filter or objective asks for)."""
         names = {name for fields in field_lists for name in fields}
         known = {f.name for f in fields(TokenSignals)} - {"lp_student", "lp_teacher", "valid"}
         unknown = names - known
         if unknown:
             raise ValueError(f"unknown TokenSignals fields requested: {sorted(unknown)}")
+        wants_topk = bool(set(TOPK_FIELDS) & names)
+        if wants_topk and top_k < 1:
+            raise ValueError("top-k TokenSignals fields were requested without a K (the filter "
+                             "or objective asking for them must have a top_k >= 1)")
         return cls(
             residual=bool({"lp_student_res", "lp_teacher_res"} & names),
             student_entropy="entropy_student" in names,
@@ -61,7 +79,19 @@ class ScoringNeeds:
             kl="kl" in names,
             reference="lp_ref" in names,
             sampler="lp_sampler" in names,
+            teacher_top_k=top_k if set(TEACHER_TOPK_FIELDS) & names else 0,
+            student_top_k=top_k if set(STUDENT_TOPK_FIELDS) & names else 0,
         )
+
+    @classmethod
+    def of(cls, *components: object, extra: tuple[str, ...] = ()) -> ScoringNeeds:
+        """The needs of filters / objectives (their ``needs``; K = the largest ``top_k`` among
+        those that read top-k fields) plus ``extra`` fields."""
+        lists = [tuple(getattr(c, "needs", ())) for c in components]
+        k = max((int(getattr(c, "top_k", 0) or 0) for c, names in zip(components, lists,
+                                                                      strict=True)
+                 if set(TOPK_FIELDS) & set(names)), default=0)
+        return cls.from_fields(*lists, extra, top_k=k)
 
 
 def _plain_head(model: nn.Module) -> bool:
@@ -259,7 +289,8 @@ def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.M
                               targets, chunk_size=chunk_size).logprobs
     return FrozenScores(
         lp_teacher=lp_teacher, entropy_teacher=entropy, lp_teacher_res=lp_t_res,
-        lp_student_res=lp_s_res, lp_ref=lp_ref, teacher_head=t_src if needs.kl else None,
+        lp_student_res=lp_s_res, lp_ref=lp_ref,
+        teacher_head=t_src if needs.teacher_head else None,
     )
 
 
@@ -269,7 +300,8 @@ def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: n
     """The student's full-context pass (with gradient when enabled) -> TokenSignals [B, R]."""
     s_src = response_source(student, batch.full, vocab_size=vocab_size)
     s = score_tokens(s_src, batch.response_ids, teacher=frozen.teacher_head,
-                     entropy=needs.student_entropy, kl=needs.kl, chunk_size=chunk_size)
+                     entropy=needs.student_entropy, kl=needs.kl, top_k=needs.student_top_k,
+                     teacher_top_k=needs.teacher_top_k, chunk_size=chunk_size)
     if needs.sampler and lp_sampler is None:
         raise ValueError("the objective needs sampler log-probs but the rollout engine gave none")
     return TokenSignals(
@@ -283,4 +315,10 @@ def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: n
         lp_sampler=lp_sampler if needs.sampler else None,
         lp_ref=frozen.lp_ref,
         kl=s.kl,
+        teacher_topk_ids=s.teacher_topk_ids,
+        teacher_topk_lp_teacher=s.teacher_topk_logprobs,
+        teacher_topk_lp_student=s.logprobs_at_ids,  # carries gradient (top-k KL objectives)
+        student_topk_ids=s.topk_ids,
+        student_topk_lp_student=None if s.topk_logprobs is None else s.topk_logprobs.detach(),
+        student_topk_lp_teacher=s.teacher_logprobs_at_topk,
     )

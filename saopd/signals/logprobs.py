@@ -9,7 +9,23 @@ over a vocabulary of V tokens (softmax at ``temperature`` tau):
 - with a teacher source: ``lpT = log pi_T(y_t | x, y_<t)``, ``H_T``, and the exact
   ``KL(pi_S || pi_T) = sum_v pi_S(v) (log pi_S(v) - log pi_T(v))``, the per-token integrand of
   the paper's Eq. 1 / Eq. 19 (reverse KL of the student from the teacher, summed over the full
-  vocabulary rather than estimated from the sampled token).
+  vocabulary rather than estimated from the sampled token);
+- top-k distributions (``BASELINES.md``: Token Teachability, Entropy-Aware OPD, top-k KL): the
+  source's own K most probable ids and their log-probs (``top_k``; with a teacher also the
+  teacher's log-probs at those ids), the teacher's K most probable ids and log-probs
+  (``teacher_top_k``), and the source's log-probs at the teacher's top-K ids or at ids the caller
+  gives (``gather_ids``, e.g. from a teacher-scoring service's top-k answer).
+
+Top-k order and ties
+--------------------
+A top-K list holds, per position, the K ids with the largest log-probability, ordered by
+(-log-prob, id): descending log-prob, and among equal log-probs the smaller id first, including
+at the boundary (when more than K entries tie with the K-th largest value, the smallest tied ids
+are the ones kept). ``torch.topk`` alone does not guarantee which tied entries it returns, so
+rows with a tie across the boundary are resolved explicitly (:func:`_top_k`); the first K' <= K
+columns of a top-K list are therefore exactly the top-K' list. Entries of log-prob ``-inf``
+(masked vocabulary) take part like any other value: with fewer than K finite entries the
+smallest masked ids fill the list, with log-prob ``-inf``.
 
 Memory argument
 ---------------
@@ -26,12 +42,14 @@ per chunk), and an :class:`LMHead` source computes ``hidden @ weight.T + bias`` 
 Gradient mechanism
 ------------------
 Gradients flow through a custom :class:`torch.autograd.Function` (``_ChunkedScores``). Its
-forward saves only per-position tensors (targets and the entropy / KL outputs, ``[B*T]``); its
+forward saves only per-position tensors (targets, the entropy / KL outputs, ``[B*T]``, and the
+top-k / gathered ids, ``[B*T, K]``); its
 backward recomputes each chunk's logits and log-softmax (of the teacher too, when the KL has an
 upstream gradient) and applies the closed-form gradients with respect to the scaled logits
 u = z / tau (p = softmax(u), q the teacher's, y the target):
 
-- d lpS / du_v = 1[v = y] - p_v
+- d lpS / du_v = 1[v = y] - p_v, and likewise d log p_i / du_v = 1[v = i] - p_v for the
+  log-prob at any gathered id i (top-k and ``gather_ids`` outputs)
 - d H_S / du_v = -p_v (log p_v + H_S)
 - d KL / du_v  =  p_v (log p_v - log q_v - KL)
 
@@ -72,6 +90,7 @@ __all__ = [
 ]
 
 _FP32_BYTES = 4
+_TIE_GROUPS = 8  # the tie resolution of _top_k works on at most 1/8 of a chunk's rows at once
 
 
 def fp32_region(device: torch.device) -> contextlib.AbstractContextManager[None]:
@@ -314,6 +333,19 @@ class TokenScores:
         kl: exact KL(pi_S || pi_T) = sum_v pi_S(v) (log pi_S(v) - log pi_T(v)) at each
             position, the integrand of the paper's Eq. 1 / Eq. 19. Differentiable w.r.t. the
             source only (the teacher is held fixed).
+
+    Top-k fields are ``[B, T, K]`` (K = ``top_k`` or ``teacher_top_k`` of the call), ordered
+    by (-log-prob, id) (see the module docstring), ``None`` when not requested:
+
+    Attributes:
+        topk_ids: int64, the source's K most probable ids at each position.
+        topk_logprobs: float32, log pi_S at ``topk_ids`` (descending). Differentiable w.r.t. the
+            source (the ids themselves are a constant).
+        teacher_logprobs_at_topk: float32, log pi_T at the source's ``topk_ids``. Constant.
+        teacher_topk_ids: int64, the teacher's K most probable ids.
+        teacher_topk_logprobs: float32, log pi_T at ``teacher_topk_ids`` (descending). Constant.
+        logprobs_at_ids: float32, log pi_S at ``teacher_topk_ids`` or, when given, at the
+            caller's ``gather_ids``, in their column order. Differentiable w.r.t. the source.
     """
 
     logprobs: torch.Tensor
@@ -321,6 +353,12 @@ class TokenScores:
     teacher_logprobs: torch.Tensor | None = None
     teacher_entropy: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    teacher_logprobs_at_topk: torch.Tensor | None = None
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logprobs: torch.Tensor | None = None
+    logprobs_at_ids: torch.Tensor | None = None
 
 
 def default_chunk_size(vocab_size: int, budget_bytes: int = 256 * 2**20) -> int:
@@ -328,7 +366,10 @@ def default_chunk_size(vocab_size: int, budget_bytes: int = 256 * 2**20) -> int:
     ``budget_bytes`` (at least 1). E.g. 441 for V = 151,936 and the 256 MiB default.
 
     Peak extra memory is a small multiple (about 4-6) of this block: the logits, log-probs,
-    probabilities and one temporary, plus the teacher's block when a teacher is scored.
+    probabilities and one temporary, plus the teacher's block when a teacher is scored. Top-k
+    outputs add about one block (a bool ``[chunk, V]`` mask per top-k list and ``torch.topk``'s
+    workspace) and, only in rows where ties straddle the K-th value, copies of at most 1/8 of
+    the chunk's rows with an int32 rank (``experiments/benchmarks/topk_memory.py`` measures it).
     """
     for name, value in (("vocab_size", vocab_size), ("budget_bytes", budget_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -353,6 +394,9 @@ class _Plan:
     teacher: LogitSource | None
     teacher_entropy: bool
     kl: bool
+    top_k: int = 0
+    teacher_top_k: int = 0
+    gather: bool = False
 
     def chunks(self) -> list[tuple[int, int]]:
         """``[start, end)`` of each chunk of flattened positions."""
@@ -376,23 +420,76 @@ def _entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     return terms.masked_fill_(torch.isneginf(logp), 0.0).sum(dim=-1).neg_()
 
 
-def _score_chunks(source: LogitSource, targets: torch.Tensor, plan: _Plan
-                  ) -> dict[str, torch.Tensor]:
-    """The forward chunk loop. ``targets`` is flat int64 ``[N]``; returns flat fp32 ``[N]``
-    outputs keyed by :class:`TokenScores` field. At most ~4 fp32 ``[chunk, V]`` blocks live at
-    once (log p, p, log q and one temporary)."""
+def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of a ``[C, V]`` block, ordered by (-value, id).
+
+    Returns int64 ids and their values, both ``[C, k]`` (``1 <= k <= V``). ``torch.topk`` picks
+    the candidates; in rows where more entries than fit tie with the k-th value, the tied
+    entries with the smallest ids are taken instead (a rank among the tied entries from an int32
+    cumulative count, on copies of those rows, at most 1/8 of the chunk at a time); a final
+    stable sort of the k survivors
+    orders them by value, ties by id. NaN entries are not supported.
+    """
+    values, ids = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
+    kth = values[:, -1:]  # [C, 1]
+    tied = (logp >= kth).sum(dim=-1) > k  # [C]: a tie straddles the boundary
+    if bool(tied.any()):
+        all_rows = tied.nonzero().squeeze(-1)
+        # groups of at most 1/8 of the chunk: the copies below stay a fraction of one block
+        group = max(1, logp.shape[0] // _TIE_GROUPS)
+        for rows in all_rows.split(group):
+            sub, thr = logp[rows], kth[rows]  # [R, V], [R, 1]
+            above = sub > thr
+            equal = sub == thr
+            room = k - above.sum(dim=-1, keepdim=True)  # tied entries that fit, per row
+            take = above | (equal & (equal.cumsum(dim=-1, dtype=torch.int32) <= room))
+            del above, equal
+            chosen = take.nonzero()[:, 1].view(-1, k)  # row-major: ascending ids per row
+            del take
+            ids[rows] = chosen
+            values[rows] = sub.gather(-1, chosen)
+            del sub
+    ids, perm = ids.sort(dim=-1)  # by id, then stably by value: (-value, id) order
+    values = values.gather(-1, perm)
+    values, perm = values.sort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, perm), values
+
+
+def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.Tensor,
+                  plan: _Plan) -> dict[str, torch.Tensor]:
+    """The forward chunk loop. ``targets`` is flat int64 ``[N]``, ``gather_ids`` flat int64
+    ``[N, K]`` (used only with ``plan.gather``); returns flat ``[N]`` / ``[N, K]`` outputs keyed
+    by :class:`TokenScores` field. At most ~4 fp32 ``[chunk, V]`` blocks live at once (log p, p,
+    log q and one temporary), plus the top-k masks (:func:`_top_k`)."""
     n, device = plan.num_positions, targets.device
-    wanted = {"logprobs": True, "entropy": plan.entropy,
-              "teacher_logprobs": plan.teacher is not None,
-              "teacher_entropy": plan.teacher_entropy, "kl": plan.kl}
-    out = {name: torch.empty(n, dtype=torch.float32, device=device)
-           for name, want in wanted.items() if want}
+    k_s, k_t = plan.top_k, plan.teacher_top_k
+    k_at = gather_ids.shape[-1] if plan.gather else k_t
+    has_teacher = plan.teacher is not None
+    wanted: dict[str, tuple[bool, tuple[int, ...]]] = {  # name: (computed?, trailing shape)
+        "logprobs": (True, ()), "entropy": (plan.entropy, ()),
+        "teacher_logprobs": (has_teacher, ()), "teacher_entropy": (plan.teacher_entropy, ()),
+        "kl": (plan.kl, ()), "topk_logprobs": (k_s > 0, (k_s,)),
+        "teacher_logprobs_at_topk": (k_s > 0 and has_teacher, (k_s,)),
+        "teacher_topk_logprobs": (k_t > 0, (k_t,)),
+        "logprobs_at_ids": (plan.gather or k_t > 0, (k_at,)),
+    }
+    out = {name: torch.empty((n, *shape), dtype=torch.float32, device=device)
+           for name, (want, shape) in wanted.items() if want}
+    for name, k in (("topk_ids", k_s), ("teacher_topk_ids", k_t)):
+        if k > 0:
+            out[name] = torch.empty((n, k), dtype=torch.int64, device=device)
     tau = plan.temperature
     teacher = None if plan.teacher is None else plan.teacher._fp32_params()
     for start, end in plan.chunks():
         idx = targets[start:end].unsqueeze(-1)
         logp = _chunk_log_probs(source, start, end, tau)
         out["logprobs"][start:end] = logp.gather(-1, idx).squeeze(-1)
+        s_ids = None
+        if k_s > 0:
+            s_ids, out["topk_logprobs"][start:end] = _top_k(logp, k_s)
+            out["topk_ids"][start:end] = s_ids
+        if plan.gather:
+            out["logprobs_at_ids"][start:end] = logp.gather(-1, gather_ids[start:end])
         p = logp.exp() if plan.kl else None
         if plan.entropy:
             out["entropy"][start:end] = _entropy(logp, p)
@@ -400,6 +497,12 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, plan: _Plan
             continue
         logq = _chunk_log_probs(teacher, start, end, tau)  # a fresh block: safe to modify
         out["teacher_logprobs"][start:end] = logq.gather(-1, idx).squeeze(-1)
+        if s_ids is not None:
+            out["teacher_logprobs_at_topk"][start:end] = logq.gather(-1, s_ids)
+        if k_t > 0:
+            t_ids, out["teacher_topk_logprobs"][start:end] = _top_k(logq, k_t)
+            out["teacher_topk_ids"][start:end] = t_ids
+            out["logprobs_at_ids"][start:end] = logp.gather(-1, t_ids)
         if plan.teacher_entropy:
             out["teacher_entropy"][start:end] = _entropy(logq)
         if p is not None:  # KL terms p (log p - log q), 0 where p = 0 (also if log q = -inf)
@@ -408,24 +511,28 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, plan: _Plan
     return out
 
 
-_OUTPUTS = ("logprobs", "entropy", "teacher_logprobs", "teacher_entropy", "kl")
-_DIFFERENTIABLE = ("logprobs", "entropy", "kl")
+_OUTPUTS = ("logprobs", "entropy", "teacher_logprobs", "teacher_entropy", "kl", "topk_ids",
+            "topk_logprobs", "teacher_logprobs_at_topk", "teacher_topk_ids",
+            "teacher_topk_logprobs", "logprobs_at_ids")
+_DIFFERENTIABLE = ("logprobs", "entropy", "kl", "topk_logprobs", "logprobs_at_ids")
 
 
 class _ChunkedScores(torch.autograd.Function):
     """Chunked scoring with a recomputing backward (see the module docstring).
 
-    Inputs: ``plan`` (non-tensor), flat int64 targets, then the source's tensors. Outputs: the
-    five :data:`_OUTPUTS` as flat fp32 ``[N]`` (an empty tensor when not requested).
+    Inputs: ``plan`` (non-tensor), flat int64 targets ``[N]``, flat int64 ``gather_ids``
+    ``[N, K]`` (empty unless ``plan.gather``), then the source's tensors. Outputs: the
+    :data:`_OUTPUTS` as flat ``[N]`` / ``[N, K]`` tensors (an empty tensor when not requested).
     """
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, targets: torch.Tensor,
+    def forward(ctx: Any, plan: _Plan, targets: torch.Tensor, gather_ids: torch.Tensor,
                 *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         source = plan.source_type(*params)
         with fp32_region(source.device):
-            out = _score_chunks(source._fp32_params(), targets, plan)
+            out = _score_chunks(source._fp32_params(), targets, gather_ids, plan)
         empty = targets.new_empty(0, dtype=torch.float32)
+        empty_ids = targets.new_empty((0, 0))
         # each missing output gets its own empty tensor: autograd wants distinct outputs
         results = tuple(out[name] if name in out else empty.clone() for name in _OUTPUTS)
         # the teacher is only needed again for the KL gradient: do not keep it alive otherwise
@@ -435,59 +542,89 @@ class _ChunkedScores(torch.autograd.Function):
             *(r for name, r in zip(_OUTPUTS, results, strict=True)
               if name not in _DIFFERENTIABLE or name not in out)
         )
+        at_ids = gather_ids if plan.gather else out.get("teacher_topk_ids", empty_ids)
         ctx.save_for_backward(targets, out.get("entropy", empty), out.get("kl", empty),
-                              *params)
+                              out.get("topk_ids", empty_ids), at_ids, *params)
         return results
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
-        targets, entropy, kl, *params = ctx.saved_tensors
-        g_lp, g_h, _, _, g_kl = grads
-        g_h = g_h if plan.entropy else None
-        g_kl = g_kl if plan.kl else None
-        needs = tuple(ctx.needs_input_grad[2:])
-        if (g_lp is None and g_h is None and g_kl is None) or not any(needs):
-            return (None, None, *([None] * len(params)))
+        targets, entropy, kl, topk_ids, at_ids, *params = ctx.saved_tensors
+        g = dict(zip(_OUTPUTS, grads, strict=True))
+        upstream = _Upstream(
+            lp=g["logprobs"], entropy=g["entropy"] if plan.entropy else None,
+            kl=g["kl"] if plan.kl else None,
+            topk=g["topk_logprobs"] if plan.top_k > 0 else None,
+            at_ids=g["logprobs_at_ids"] if plan.gather or plan.teacher_top_k > 0 else None)
+        needs = tuple(ctx.needs_input_grad[3:])
+        if upstream.empty() or not any(needs):
+            return (None, None, None, *([None] * len(params)))
         source = plan.source_type(*params)._fp32_params()
         with fp32_region(source.device):
-            return _backward_chunks(plan, source, targets, entropy, kl, tuple(params),
-                                    needs, g_lp, g_h, g_kl)
+            grads_in = _backward_chunks(plan, source, targets, entropy, kl, topk_ids, at_ids,
+                                        tuple(params), needs, upstream)
+        return (None, None, None, *grads_in)
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """Upstream gradients of the differentiable outputs (flat; ``None`` = no gradient)."""
+
+    lp: torch.Tensor | None  # [N]
+    entropy: torch.Tensor | None  # [N]
+    kl: torch.Tensor | None  # [N]
+    topk: torch.Tensor | None  # [N, K] of topk_logprobs
+    at_ids: torch.Tensor | None  # [N, K] of logprobs_at_ids
+
+    def empty(self) -> bool:
+        return all(v is None for v in (self.lp, self.entropy, self.kl, self.topk, self.at_ids))
 
 
 def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
-                     entropy: torch.Tensor, kl: torch.Tensor,
-                     params: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
-                     g_lp: torch.Tensor | None, g_h: torch.Tensor | None,
-                     g_kl: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+                     entropy: torch.Tensor, kl: torch.Tensor, topk_ids: torch.Tensor,
+                     at_ids: torch.Tensor, params: tuple[torch.Tensor | None, ...],
+                     needs: tuple[bool, ...], up: _Upstream) -> list[torch.Tensor | None]:
     """The backward chunk loop of :class:`_ChunkedScores` (fp32 ``source``; flat ``[N]``
-    targets, saved entropy / KL and upstream gradients); returns the gradients of its inputs."""
+    targets, saved entropy / KL, ``[N, K]`` top-k and gathered ids, upstream gradients);
+    returns the gradients of the source's tensors.
+
+    Every gathered log-prob (the target's, the top-k's, those at ``at_ids``) has
+    d log p_i / du_v = 1[v = i] - p_v, so their part of the gradient is
+    ``scatter(ids, g) - p * sum(g)`` over all of them at once."""
     bufs = source._grad_buffers(needs)
-    teacher = None if g_kl is None or plan.teacher is None else plan.teacher._fp32_params()
+    teacher = None if up.kl is None or plan.teacher is None else plan.teacher._fp32_params()
     tau = plan.temperature
     for start, end in plan.chunks():
         rows = slice(start, end)
         logp = _chunk_log_probs(source, start, end, tau)
         p = logp.exp()
-        zero = p == 0 if g_h is not None or g_kl is not None else None
+        zero = p == 0 if up.entropy is not None or up.kl is not None else None
         # the gradient w.r.t. the scaled logits u = z / tau, built as one [chunk, V] block
         extra = None  # entropy and KL parts
-        if g_h is not None:  # dH/du = -p (log p + H)
+        if up.entropy is not None:  # dH/du = -p (log p + H)
             extra = (logp + entropy[rows, None]).mul_(p).masked_fill_(zero, 0.0)
-            extra.mul_(g_h[rows, None].neg())
-        if g_kl is not None:  # dKL/du = p (log p - log q - KL)
+            extra.mul_(up.entropy[rows, None].neg())
+        if up.kl is not None:  # dKL/du = p (log p - log q - KL)
             term = _chunk_log_probs(teacher, start, end, tau).neg_().add_(logp)
             term.sub_(kl[rows, None]).mul_(p).masked_fill_(zero, 0.0)
-            term.mul_(g_kl[rows, None])
+            term.mul_(up.kl[rows, None])
             extra = term if extra is None else extra.add_(term)
             del term
         del logp, zero
-        if g_lp is None:
+        gathered = [(ids, g) for ids, g in ((targets[rows, None], up.lp), (topk_ids[rows], up.topk),
+                                            (at_ids[rows], up.at_ids)) if g is not None]
+        if not gathered:
             grad = extra
-        else:  # dlp/du = onehot(y) - p
-            grad = p.mul_(g_lp[rows, None].neg())
-            grad.scatter_add_(-1, targets[rows, None], g_lp[rows, None])
+        else:  # d log p_i / du = onehot(i) - p, for every gathered id i
+            g_rows = [g[rows, None] if g.dim() == 1 else g[rows] for _, g in gathered]
+            total = g_rows[0].sum(dim=-1, keepdim=True)
+            for g_row in g_rows[1:]:
+                total = total + g_row.sum(dim=-1, keepdim=True)
+            grad = p.mul_(total.neg_())
+            for (ids, _), g_row in zip(gathered, g_rows, strict=True):
+                grad.scatter_add_(-1, ids, g_row)
             if extra is not None:
                 grad.add_(extra)
         del p, extra
@@ -495,7 +632,7 @@ def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
             grad.div_(tau)
         source._accumulate_grad(bufs, grad, start, end)
         del grad
-    return (None, None, *source._finish_grads(bufs, params))
+    return source._finish_grads(bufs, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,10 +646,36 @@ def _check_source(name: str, source: Any) -> None:
             f"{name} must be a Logits or LMHead, got {type(source).__name__}")
 
 
+def _check_ids(name: str, ids: torch.Tensor, shape: tuple[int, int], vocab: int,
+               device: torch.device) -> torch.Tensor:
+    """Integer ids in ``[0, V)`` of shape ``[B, T, K]`` (K >= 1), as int64 on ``device``."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"{name} must be an integer (int64) tensor, got dtype {ids.dtype}")
+    if ids.dim() != 3 or tuple(ids.shape[:2]) != shape or ids.shape[2] < 1:
+        raise ValueError(f"{name} must have shape [B, T, K] = [{shape[0]}, {shape[1]}, K >= 1], "
+                         f"got {tuple(ids.shape)}")
+    ids = ids.to(device=device, dtype=torch.int64)
+    if ids.numel() > 0:
+        bad = (ids < 0) | (ids >= vocab)
+        if bool(bad.any()):
+            raise ValueError(f"{name} must be token ids in [0, V) with V = {vocab}, got "
+                             f"{int(ids[bad][0])} ({int(bad.sum())} id(s) out of range)")
+    return ids
+
+
+def _check_k(name: str, k: Any, vocab: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
+        raise ValueError(f"{name} must be an int in [0, V] with V = {vocab} (0 = off), got {k!r}")
+    return k
+
+
 def score_tokens(source: LogitSource, targets: torch.Tensor, *,
                  teacher: LogitSource | None = None, entropy: bool = False,
-                 teacher_entropy: bool = False, kl: bool = False, temperature: float = 1.0,
-                 chunk_size: int | None = None) -> TokenScores:
+                 teacher_entropy: bool = False, kl: bool = False, top_k: int = 0,
+                 teacher_top_k: int = 0, gather_ids: torch.Tensor | None = None,
+                 temperature: float = 1.0, chunk_size: int | None = None) -> TokenScores:
     """Score ``targets`` under ``source`` (and ``teacher``) one chunk of positions at a time.
 
     Args:
@@ -522,25 +685,37 @@ def score_tokens(source: LogitSource, targets: torch.Tensor, *,
         teacher: optional second source with the same ``(B, T)`` and V, treated as a constant.
         entropy: also return H_S. teacher_entropy: also return H_T (needs ``teacher``).
         kl: also return the exact KL(pi_S || pi_T) per position (needs ``teacher``).
+        top_k: K > 0 also returns the source's top-K ids and log-probs (``topk_ids``,
+            ``topk_logprobs``) and, with a teacher, the teacher's log-probs at those ids
+            (``teacher_logprobs_at_topk``); 0 = off.
+        teacher_top_k: K > 0 (needs ``teacher``) also returns the teacher's top-K ids and
+            log-probs (``teacher_topk_ids``, ``teacher_topk_logprobs``) and the source's
+            log-probs at those ids (``logprobs_at_ids``); 0 = off.
+        gather_ids: integer ``[B, T, K]`` ids in ``[0, V)``: return the source's log-probs at
+            them (``logprobs_at_ids``), e.g. at the top-K ids a teacher-scoring service gave.
+            Exclusive with ``teacher_top_k``.
         temperature: tau > 0; every distribution is softmax(z / tau).
         chunk_size: positions per chunk; default :func:`default_chunk_size` (V).
 
     Returns:
-        :class:`TokenScores` with float32 ``[B, T]`` tensors on the source's device. When grad
-        is enabled and the source's tensors require grad, ``logprobs``, ``entropy`` and ``kl``
-        are differentiable w.r.t. them (recomputing backward, flat memory).
+        :class:`TokenScores` with float32 ``[B, T]`` (``[B, T, K]`` for top-k fields; int64
+        ids) tensors on the source's device. When grad is enabled and the source's tensors
+        require grad, ``logprobs``, ``entropy``, ``kl``, ``topk_logprobs`` and
+        ``logprobs_at_ids`` are differentiable w.r.t. them (recomputing backward, flat memory).
 
     Raises:
-        ValueError: bad source/teacher type, mismatched shapes or devices, targets not integer,
-            out of range, temperature not > 0, chunk_size < 1, teacher_entropy/kl without
-            teacher.
+        ValueError: bad source/teacher type, mismatched shapes or devices, targets or
+            gather_ids not integer, out of range or of the wrong shape, temperature not > 0,
+            chunk_size < 1, a top-k outside [0, V], teacher_entropy/kl/teacher_top_k without
+            teacher, gather_ids together with teacher_top_k.
     """
     _check_source("source", source)
     if teacher is not None:
         _check_source("teacher", teacher)
-    elif teacher_entropy or kl:
-        wanted = [n for n, v in (("teacher_entropy", teacher_entropy), ("kl", kl)) if v]
-        raise ValueError(f"{' and '.join(wanted)}=True needs a teacher source, got teacher=None")
+    elif teacher_entropy or kl or teacher_top_k:
+        wanted = [f"{n}={v!r}" for n, v in (("teacher_entropy", teacher_entropy), ("kl", kl),
+                                            ("teacher_top_k", teacher_top_k)) if v]
+        raise ValueError(f"{' and '.join(wanted)} needs a teacher source, got teacher=None")
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
             or not math.isfinite(temperature) or temperature <= 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
@@ -576,12 +751,26 @@ def score_tokens(source: LogitSource, targets: torch.Tensor, *,
                 f"({int(bad.sum())} id(s) out of range)"
             )
 
+    top_k = _check_k("top_k", top_k, vocab)
+    teacher_top_k = _check_k("teacher_top_k", teacher_top_k, vocab)
+    flat_ids = targets.new_empty((0, 0))
+    if gather_ids is not None:
+        if teacher_top_k:
+            raise ValueError("gather_ids and teacher_top_k both define logprobs_at_ids: give "
+                             "one of them")
+        gather_ids = _check_ids("gather_ids", gather_ids, batch, vocab, source.device)
+        flat_ids = gather_ids.reshape(-1, gather_ids.shape[-1])
+
     plan = _Plan(
         source_type=type(source), num_positions=batch[0] * batch[1],
         temperature=float(temperature), chunk_size=chunk_size, entropy=entropy,
-        teacher=teacher, teacher_entropy=teacher_entropy, kl=kl,
+        teacher=teacher, teacher_entropy=teacher_entropy, kl=kl, top_k=top_k,
+        teacher_top_k=teacher_top_k, gather=gather_ids is not None,
     )
-    flat = _ChunkedScores.apply(plan, targets.reshape(-1), *source._tensors())
-    wanted = (True, entropy, teacher is not None, teacher_entropy, kl)
-    return TokenScores(*(value.view(batch) if want else None
+    flat = _ChunkedScores.apply(plan, targets.reshape(-1), flat_ids, *source._tensors())
+    has_teacher = teacher is not None
+    wanted = (True, entropy, has_teacher, teacher_entropy, kl, top_k > 0, top_k > 0,
+              top_k > 0 and has_teacher, teacher_top_k > 0, teacher_top_k > 0,
+              teacher_top_k > 0 or gather_ids is not None)
+    return TokenScores(*(value.view(*batch, *value.shape[1:]) if want else None
                          for value, want in zip(flat, wanted, strict=True)))

@@ -112,7 +112,8 @@ def test_every_study_job_builds_on_every_experiment(tmp_path: Path, experiment: 
 
 def test_the_study_expansion_sees_every_job() -> None:
     assert [j[0] for j in study_jobs("baselines")] == [
-        f"method={m}" for m in ("opd", "exopd", "tip", "fire_opd", "sa_opd")]
+        f"method={m}" for m in ("opd", "exopd", "tip", "fire_opd", "teachability",
+                                "entropy_aware", "sa_opd")]
     assert len(study_jobs("p1p2_grid")) == 9
 
 

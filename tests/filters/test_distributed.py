@@ -13,6 +13,7 @@ from saopd.filters import FILTERS, build_filter
 from saopd.filters.distributed import batch_global_filter
 from saopd.signals import TokenSignals
 from tests.conftest import random_signals
+from tests.signals.topk_data import with_topk
 
 CASES = {
     "sa_opd": {"p1": 0.3, "p2": 0.4},
@@ -24,7 +25,7 @@ NARROW = 6  # rank 1's rows are valid only in the first 6 columns: it holds a na
 
 
 def global_batch() -> TokenSignals:
-    s = random_signals(5, 10, seed=7, valid_p=0.85)
+    s = with_topk(random_signals(5, 10, seed=7, valid_p=0.85), seed=7)  # [B, T, K] fields too
     valid = s.valid.clone()
     valid[3:, NARROW:] = False
     import dataclasses

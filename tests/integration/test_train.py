@@ -263,8 +263,10 @@ def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: 
 @pytest.mark.parametrize(
     "overrides",
     [[f"filter={name}"] for name in ("none", "random", "divergence_only", "ig_only",
-                                     "proxy_replacement", "tip", "fire")]
+                                     "proxy_replacement", "tip", "fire", "teachability")]
     + [["objective=full_kl"], ["objective=exopd"], ["objective=exopd", "filter=tip"],
+       ["objective=topk_kl"], ["objective=topk_kl", "objective.direction=reverse"],
+       ["method=entropy_aware"], ["method=teachability", "objective=entropy_aware"],
        ["filter.extreme=two_sided", "filter.beta_min=0.01", "filter.beta_max=0.02"]],
     ids=lambda o: "+".join(o),
 )

@@ -148,7 +148,7 @@ def test_aggregation_bad_input() -> None:
         aggregate(LOSS, MASK, "mean")
     with pytest.raises(ValueError, match="mask must be a bool tensor"):
         aggregate(LOSS, MASK.float())
-    allowed = "allowed: exopd, full_kl, sampled"
+    allowed = "allowed: entropy_aware, exopd, full_kl, sampled, topk_kl"
     with pytest.raises(ValueError, match=f"unknown objective 'kl'; {allowed}"):
         build_objective("kl")
     with pytest.raises(ValueError, match=r"ExOPD.lam must be >= 0, got -1"):

@@ -462,3 +462,247 @@ def test_memory_flat_logits_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
                      teacher_entropy=True, kl=True, chunk_size=3)
     assert max(asked) == 3 and len(asked) == 2 * 7
     assert mode.max_rows <= 3
+
+
+# ---- top-k distributions --------------------------------------------------------------------
+
+
+def _ref_top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (-value, id) order spelled out: per row, python's sort of (-value, id) pairs."""
+    rows = logp.reshape(-1, logp.shape[-1]).tolist()
+    ids = [[i for _, i in sorted((-v, i) for i, v in enumerate(row))[:k]] for row in rows]
+    ids_t = torch.tensor(ids, dtype=torch.long).view(*logp.shape[:-1], k)
+    return ids_t, logp.gather(-1, ids_t)
+
+
+def _topk_plain(z_s: torch.Tensor, z_t: torch.Tensor, k_s: int, k_t: int,
+                temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Float64 full-logit reference of every top-k output."""
+    logp = torch.log_softmax(z_s.double() / temperature, dim=-1)
+    logq = torch.log_softmax(z_t.double() / temperature, dim=-1)
+    s_ids, s_lp = _ref_top_k(logp, k_s)
+    t_ids, t_lp = _ref_top_k(logq, k_t)
+    return {"topk_ids": s_ids, "topk_logprobs": s_lp,
+            "teacher_logprobs_at_topk": logq.gather(-1, s_ids),
+            "teacher_topk_ids": t_ids, "teacher_topk_logprobs": t_lp,
+            "logprobs_at_ids": logp.gather(-1, t_ids)}
+
+
+def _check_topk(scores: TokenScores, ref: dict[str, torch.Tensor]) -> None:
+    for name, expected in ref.items():
+        actual = getattr(scores, name)
+        assert actual.shape == expected.shape, name
+        if name.endswith("_ids") and "logprobs" not in name:
+            assert actual.dtype == torch.int64 and torch.equal(actual, expected), name
+        else:
+            assert actual.dtype == torch.float32, name
+            _close(actual, expected)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("ks", [(1, 1), (5, 3), (V, V)])
+def test_top_k_matches_float64_reference(chunk_size: int, temperature: float,
+                                         ks: tuple[int, int]) -> None:
+    hidden, weight, bias, teacher, targets = _inputs(30)
+    logits = hidden @ weight.T + bias
+    for source in (Logits(logits), LMHead(hidden, weight, bias)):
+        scores = score_tokens(source, targets, teacher=Logits(teacher), top_k=ks[0],
+                              teacher_top_k=ks[1], kl=True, chunk_size=chunk_size,
+                              temperature=temperature)
+        _check_topk(scores, _topk_plain(logits, teacher, *ks, temperature))
+        # the other outputs are unchanged by asking for top-k
+        _close(scores.kl, _plain(logits, targets, teacher, temperature)["kl"])
+        # the first k' columns of a top-k list are the top-k' list
+        if ks[0] > 1:
+            small = score_tokens(source, targets, top_k=1, chunk_size=chunk_size,
+                                 temperature=temperature)
+            assert torch.equal(small.topk_ids, scores.topk_ids[..., :1])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 22])
+@pytest.mark.parametrize("k", [1, 3, 8, V])
+def test_top_k_ties_by_smallest_id(chunk_size: int, k: int) -> None:
+    """Integer logits in {0, 1, 2}: nearly every row ties across the k-th value; the kept ids
+    are the smallest tied ones and the order is (-log-prob, id), in every chunking."""
+    g = torch.Generator().manual_seed(31)
+    z_s = torch.randint(0, 3, (B, T, V), generator=g).float()
+    z_t = torch.randint(0, 3, (B, T, V), generator=g).float()
+    z_t[0, 0] = 1.0  # a row where every entry ties
+    targets = torch.randint(0, V, (B, T), generator=g)
+    scores = score_tokens(Logits(z_s), targets, teacher=Logits(z_t), top_k=k, teacher_top_k=k,
+                          chunk_size=chunk_size)
+    _check_topk(scores, _topk_plain(z_s, z_t, k, k))
+    assert torch.equal(scores.teacher_topk_ids[0, 0], torch.arange(k))
+
+
+def test_top_k_with_masked_vocabulary() -> None:
+    """Fewer finite entries than K: the smallest masked ids fill the list with -inf."""
+    hidden, weight, bias, teacher, targets = _inputs(32)
+    z = hidden @ weight.T + bias
+    mask = torch.ones(V, dtype=torch.bool)
+    mask[[3, 10, 20]] = False  # only three finite entries
+    z = z.masked_fill(mask, float("-inf"))
+    scores = score_tokens(Logits(z), targets, teacher=Logits(teacher), top_k=6, chunk_size=4)
+    ref = _topk_plain(z, teacher, 6, 1)
+    assert torch.equal(scores.topk_ids, ref["topk_ids"])
+    assert torch.equal(scores.topk_ids[..., 3:], torch.tensor([0, 1, 2]).expand(B, T, 3))
+    assert torch.isneginf(scores.topk_logprobs[..., 3:]).all()
+    _close(scores.topk_logprobs[..., :3], ref["topk_logprobs"][..., :3])
+
+
+def test_top_k_ignores_padding() -> None:
+    """Positions appended as padding (any logits, any target) change nothing at the others."""
+    hidden, weight, bias, teacher, targets = _inputs(33)
+    g = torch.Generator().manual_seed(33)
+    pad_h = torch.cat([hidden, 50 * torch.randn(B, 2, H, generator=g)], 1)
+    pad_t = torch.cat([teacher, torch.randn(B, 2, V, generator=g)], 1)
+    pad_y = torch.cat([targets, torch.zeros(B, 2, dtype=torch.long)], 1)
+    for chunk_size in (4, 5):
+        plain = score_tokens(LMHead(hidden, weight, bias), targets, teacher=Logits(teacher),
+                             top_k=4, teacher_top_k=5, chunk_size=chunk_size)
+        padded = score_tokens(LMHead(pad_h, weight, bias), pad_y, teacher=Logits(pad_t),
+                              top_k=4, teacher_top_k=5, chunk_size=chunk_size)
+        for name in ("topk_ids", "topk_logprobs", "teacher_logprobs_at_topk", "teacher_topk_ids",
+                     "teacher_topk_logprobs", "logprobs_at_ids"):
+            torch.testing.assert_close(getattr(padded, name)[:, :T], getattr(plain, name),
+                                       atol=1e-6, rtol=0)
+
+
+def test_gather_ids_equals_teacher_top_k_and_plain_gather() -> None:
+    hidden, weight, bias, teacher, targets = _inputs(34)
+    logits = hidden @ weight.T + bias
+    via_teacher = score_tokens(Logits(logits), targets, teacher=Logits(teacher), teacher_top_k=4,
+                               chunk_size=5)
+    t_only = score_tokens(Logits(teacher), targets, top_k=4, chunk_size=3)  # a teacher pass
+    assert torch.equal(t_only.topk_ids, via_teacher.teacher_topk_ids)
+    assert torch.equal(t_only.topk_logprobs, via_teacher.teacher_topk_logprobs)
+    given = score_tokens(Logits(logits), targets, gather_ids=t_only.topk_ids, chunk_size=4)
+    assert torch.equal(given.logprobs_at_ids, via_teacher.logprobs_at_ids)
+    ids = torch.randint(0, V, (B, T, 7), generator=torch.Generator().manual_seed(34))
+    arbitrary = score_tokens(LMHead(hidden, weight, bias), targets, gather_ids=ids, chunk_size=2)
+    _close(arbitrary.logprobs_at_ids,
+           torch.log_softmax(logits.double(), -1).gather(-1, ids))
+    assert arbitrary.topk_ids is None and arbitrary.teacher_topk_ids is None
+
+
+def _topk_loss(scores, ups: list[torch.Tensor]) -> torch.Tensor:
+    def get(name):
+        return scores[name] if isinstance(scores, dict) else getattr(scores, name)
+
+    return ((get("logprobs") * ups[0]).sum() + (get("topk_logprobs") * ups[1]).sum()
+            + (get("logprobs_at_ids") * ups[2]).sum() + (get("kl") * ups[3]).sum())
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 22])
+@pytest.mark.parametrize("temperature", [1.0, 1.3])
+@pytest.mark.parametrize("mode", ["teacher_top_k", "gather_ids"])
+def test_top_k_gradient_matches_float64_autograd(chunk_size: int, temperature: float,
+                                                 mode: str) -> None:
+    """d log p_i / du = onehot(i) - p for the top-k and gathered log-probs, combined with the
+    target's and the KL's, against float64 autograd on the full logits (LM-head source)."""
+    hidden, weight, bias, teacher, targets = _inputs(35)
+    g = torch.Generator().manual_seed(35)
+    k_s, k_t = 3, 4
+    ups = [torch.randn(B, T, generator=g), torch.randn(B, T, k_s, generator=g),
+           torch.randn(B, T, k_t, generator=g), torch.randn(B, T, generator=g)]
+    t_ids = _topk_plain(teacher, teacher, 1, k_t)["teacher_topk_ids"]
+    params = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    kw = ({"teacher_top_k": k_t} if mode == "teacher_top_k" else {"gather_ids": t_ids})
+    scores = score_tokens(LMHead(*params), targets, teacher=Logits(teacher), top_k=k_s, kl=True,
+                          chunk_size=chunk_size, temperature=temperature, **kw)
+    _topk_loss(scores, ups).backward()
+
+    ref = [t.double().requires_grad_(True) for t in (hidden, weight, bias)]
+    z = ref[0] @ ref[1].T + ref[2]
+    plain = _plain(z, targets, teacher.double(), temperature)
+    logp = torch.log_softmax(z / temperature, dim=-1)
+    s_ids = _ref_top_k(logp.detach(), k_s)[0]
+    plain["topk_logprobs"] = logp.gather(-1, s_ids)
+    plain["logprobs_at_ids"] = logp.gather(-1, t_ids)
+    _topk_loss(plain, [u.double() for u in ups]).backward()
+    for mine, theirs in zip(params, ref, strict=True):
+        _close(mine.grad, theirs.grad)
+
+
+def test_top_k_only_gradient_and_masked_gathered_id() -> None:
+    """Only a gathered output carries upstream gradient (Logits source), one gathered id on a
+    masked entry: the gradient is finite and equals autograd's."""
+    hidden, weight, bias, _, targets = _inputs(36)
+    base = (hidden @ weight.T + bias).detach()
+    base[..., 5] = float("-inf")
+    ids = torch.tensor([5, 0, 1]).expand(B, T, 3).clone()
+    z = base.clone().requires_grad_(True)
+    scores = score_tokens(Logits(z), targets, gather_ids=ids, chunk_size=4)
+    assert torch.isneginf(scores.logprobs_at_ids[..., 0]).all()
+    up = torch.randn(B, T, 3, generator=torch.Generator().manual_seed(36))
+    (scores.logprobs_at_ids[..., 1:] * up[..., 1:]).sum().backward()
+    z_ref = base.clone().requires_grad_(True)
+    (torch.log_softmax(z_ref, -1).gather(-1, ids)[..., 1:] * up[..., 1:]).sum().backward()
+    assert torch.isfinite(z.grad).all()
+    _close(z.grad, z_ref.grad)
+
+
+def test_top_k_outputs_constant_where_they_should_be() -> None:
+    hidden, weight, _, teacher, targets = _inputs(37)
+    z = (hidden @ weight.T).detach().requires_grad_(True)
+    t_logits = teacher.clone()
+    ref = weakref.ref(t_logits)
+    scores = score_tokens(Logits(z), targets, teacher=Logits(t_logits), top_k=2,
+                          teacher_top_k=3, chunk_size=4)
+    for name in ("topk_ids", "teacher_logprobs_at_topk", "teacher_topk_ids",
+                 "teacher_topk_logprobs"):
+        assert not getattr(scores, name).requires_grad, name
+    assert scores.topk_logprobs.requires_grad and scores.logprobs_at_ids.requires_grad
+    del t_logits
+    gc.collect()
+    assert ref() is None  # the gathered gradient needs the ids only, not the teacher
+    scores.logprobs_at_ids.sum().backward()
+    assert z.grad is not None
+    with torch.no_grad():
+        off = score_tokens(Logits(z), targets, top_k=2, chunk_size=4)
+    assert off.topk_logprobs.grad_fn is None
+
+
+def test_top_k_empty_batch() -> None:
+    z = torch.randn(2, 0, V, requires_grad=True)
+    scores = score_tokens(Logits(z), torch.zeros(2, 0, dtype=torch.long),
+                          teacher=Logits(torch.randn(2, 0, V)), top_k=3, teacher_top_k=2)
+    assert scores.topk_ids.shape == (2, 0, 3) and scores.logprobs_at_ids.shape == (2, 0, 2)
+    (scores.topk_logprobs.sum() + scores.logprobs_at_ids.sum()).backward()
+    assert z.grad.shape == z.shape
+
+
+def test_top_k_errors() -> None:
+    _, _, _, teacher, targets = _inputs(38)
+    src = Logits(teacher)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[0, V\] with V = 37"):
+        score_tokens(src, targets, top_k=V + 1)
+    with pytest.raises(ValueError, match="top_k must be an int"):
+        score_tokens(src, targets, top_k=-1)
+    with pytest.raises(ValueError, match="teacher_top_k=4 needs a teacher"):
+        score_tokens(src, targets, teacher_top_k=4)
+    ids = torch.zeros(B, T, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="gather_ids and teacher_top_k"):
+        score_tokens(src, targets, teacher=src, teacher_top_k=2, gather_ids=ids)
+    with pytest.raises(ValueError, match=r"gather_ids must have shape \[B, T, K\]"):
+        score_tokens(src, targets, gather_ids=ids[:, :-1])
+    with pytest.raises(ValueError, match="gather_ids must be an integer"):
+        score_tokens(src, targets, gather_ids=ids.float())
+    with pytest.raises(ValueError, match=rf"gather_ids must be token ids in \[0, V\) with V = {V}"):
+        score_tokens(src, targets, gather_ids=ids + V)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5])
+def test_memory_flat_with_top_k(chunk_size: int) -> None:
+    """Top-k and gathered outputs, forward and backward, never allocate more than
+    ``chunk_size`` rows of V (ties included: integer logits tie in nearly every row)."""
+    hidden, weight, bias, _, targets = _inputs(39)
+    params = [x.clone().requires_grad_(True) for x in (hidden, weight, bias)]
+    t_logits = torch.randint(0, 3, (B, T, V), generator=torch.Generator().manual_seed(39)).float()
+    with _LargestVocabBlock(V) as mode:
+        scores = score_tokens(LMHead(*params), targets, teacher=Logits(t_logits),
+                              top_k=4, teacher_top_k=6, kl=True, chunk_size=chunk_size)
+        (scores.topk_logprobs.sum() + scores.logprobs_at_ids.sum() + scores.kl.sum()).backward()
+    assert mode.ops > 0 and mode.max_rows <= chunk_size
+    assert all(p.grad is not None for p in params)

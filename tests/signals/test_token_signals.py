@@ -80,3 +80,62 @@ def test_missing_residual_is_reported_by_name() -> None:
                      valid=torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"a_res needs TokenSignals field\(s\) \['lp_student_res'"):
         _ = s.grounding_gap
+
+
+# ---- top-k groups ---------------------------------------------------------------------------
+
+
+def _topk_group(prefix: str, k: int = 2, batch: int = 1, length: int = 3) -> dict:
+    ids = torch.arange(k).expand(batch, length, k).clone()
+    lp = torch.log(torch.full((batch, length, k), 0.25))
+    own, other = ("teacher", "student") if prefix == "teacher" else ("student", "teacher")
+    return {f"{prefix}_topk_ids": ids, f"{prefix}_topk_lp_{own}": lp,
+            f"{prefix}_topk_lp_{other}": lp.clone()}
+
+
+def test_topk_fields_are_sanitised_and_padding_zeroed() -> None:
+    group = _topk_group("teacher")
+    group["teacher_topk_lp_teacher"][0, 0, 1] = float("-inf")  # clamped to the floor
+    group["teacher_topk_lp_student"][0, 2] = float("nan")  # padding: ignored, zeroed
+    group["teacher_topk_ids"][0, 2] = torch.tensor([7, 7])  # repeated ids at padding: ignored
+    s = TokenSignals(lp_student=torch.full((1, 3), -1.0), lp_teacher=torch.full((1, 3), -1.0),
+                     valid=torch.tensor([[True, True, False]]),
+                     **{k: v.to(torch.bfloat16) if "lp" in k else v for k, v in group.items()})
+    assert s.teacher_topk_lp_teacher.dtype == torch.float32
+    assert s.teacher_topk_lp_teacher[0, 0, 1].item() == LOGPROB_FLOOR
+    assert torch.equal(s.teacher_topk_lp_student[0, 2], torch.zeros(2))
+    assert torch.equal(s.teacher_topk_ids[0, 2], torch.zeros(2, dtype=torch.long))
+    assert s.top_k("teacher") == 2 and s.top_k("student") == 0
+
+
+def test_topk_bad_input() -> None:
+    base = {"lp_student": torch.full((1, 3), -1.0), "lp_teacher": torch.full((1, 3), -1.0),
+            "valid": torch.ones(1, 3, dtype=torch.bool)}
+    group = _topk_group("student")
+    with pytest.raises(ValueError, match="must be given together"):
+        TokenSignals(**base, student_topk_ids=group["student_topk_ids"])
+    bad = dict(group, student_topk_lp_teacher=group["student_topk_lp_teacher"][..., :1])
+    with pytest.raises(ValueError, match="has K = 1 but student_topk_ids has K = 2"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_ids=group["student_topk_ids"].float())
+    with pytest.raises(ValueError, match="student_topk_ids must be an integer"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_ids=torch.zeros(1, 3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="repeats a token id"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_ids=-group["student_topk_ids"] - 1)
+    with pytest.raises(ValueError, match="negative token ids"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_lp_student=group["student_topk_lp_student"][:, :2])
+    with pytest.raises(ValueError, match=r"must have shape \[B, T, K\] = \[1, 3, K >= 1\]"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_lp_student=group["student_topk_lp_student"] + 5)
+    with pytest.raises(ValueError, match="log-probabilities must be <= 0"):
+        TokenSignals(**base, **bad)
+    bad = dict(group, student_topk_lp_teacher=group["student_topk_lp_teacher"].clone())
+    bad["student_topk_lp_teacher"][0, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN/inf value\(s\) at valid positions \(first at "
+                                         r"\[0, 1, 0\]\)"):
+        TokenSignals(**base, **bad)
+    with pytest.raises(ValueError, match=r"needs TokenSignals field\(s\) \['teacher_topk_ids'"):
+        TokenSignals(**base, **group).require("x", "teacher_topk_ids")

@@ -1,0 +1,98 @@
+"""Top-k KL objectives (forward / reverse, tail lumped) and Entropy-Aware OPD, by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from saopd.filters import build_filter
+from saopd.objectives import build_objective
+from saopd.signals import TokenSignals
+
+LN = math.log
+
+
+def _signals(student_grad: bool = True) -> TokenSignals:
+    """One response of three tokens (the last is padding); the teacher's top-2 at each.
+
+    [0, 0]: q = [0.5, 0.25], p = [0.125, 0.25]; [0, 1]: q = p = [0.6, 0.3]; H_T = [1.0, 0.5].
+    """
+    q = torch.tensor([[[0.5, 0.25], [0.6, 0.3], [0.5, 0.5]]])
+    p = torch.tensor([[[0.125, 0.25], [0.6, 0.3], [0.9, 0.05]]])
+    lp_s = p.log()
+    if student_grad:
+        lp_s.requires_grad_(True)
+    lp_student = torch.tensor([[-1.0, -0.5, -3.0]], requires_grad=student_grad)
+    s = TokenSignals(
+        lp_student=lp_student,
+        lp_teacher=torch.tensor([[-2.0, -0.25, -1.0]]),
+        valid=torch.tensor([[True, True, False]]),
+        entropy_teacher=torch.tensor([[1.0, 0.5, 3.0]]),
+        teacher_topk_ids=torch.tensor([[[3, 1], [0, 2], [0, 1]]]),
+        teacher_topk_lp_teacher=q.log(), teacher_topk_lp_student=lp_s)
+    s.leaf, s.student_leaf = lp_s, lp_student  # type: ignore[attr-defined]
+    return s
+
+
+FORWARD_00 = 0.5 * LN(0.5 / 0.125) + 0.25 * LN(0.25 / 0.625)  # 0.464074
+REVERSE_00 = 0.125 * LN(0.125 / 0.5) + 0.625 * LN(0.625 / 0.25)  # 0.399395
+
+
+@pytest.mark.parametrize(("direction", "value"), [("forward", FORWARD_00),
+                                                  ("reverse", REVERSE_00)])
+def test_topk_kl_by_hand(direction: str, value: float) -> None:
+    s = _signals()
+    keep = build_filter("none")(s)
+    out = build_objective("topk_kl", direction=direction, top_k=2)(s, keep)
+    torch.testing.assert_close(out.loss, torch.tensor([[value, 0.0, 0.0]]), atol=1e-6, rtol=0)
+    assert out.metrics[f"kl_topk_{direction}"].item() == pytest.approx(value / 2, abs=1e-6)
+    out.loss.sum().backward()
+    grad = s.leaf.grad
+    if direction == "forward":  # d/d lp_k = -q_k + Q_tail p_k / P_tail (module docstring)
+        torch.testing.assert_close(grad[0, 0], torch.tensor([-0.45, -0.15]))
+    # zero KL at [0, 1] (zero gradient up to rounding); padding carries no gradient
+    torch.testing.assert_close(grad[0, 1:], torch.zeros(2, 2), atol=1e-12, rtol=0)
+    assert torch.equal(grad[0, 2], torch.zeros(2))
+
+
+def test_topk_kl_uses_the_first_k_columns() -> None:
+    s = _signals()
+    keep = build_filter("none")(s)
+    out = build_objective("topk_kl", top_k=1)(s, keep)
+    # K = 1 at [0, 0]: q = [0.5] (tail 0.5), p = [0.125] (tail 0.875)
+    expected = 0.5 * LN(0.5 / 0.125) + 0.5 * LN(0.5 / 0.875)
+    assert out.loss[0, 0].item() == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ValueError, match="the teacher's top-32 is needed, the signals hold top-2"):
+        build_objective("topk_kl")(s, keep)
+    with pytest.raises(ValueError, match="direction must be one of"):
+        build_objective("topk_kl", direction="both")
+
+
+def test_entropy_aware_by_hand() -> None:
+    """loss_t = A_t * lpS + 1[H_T > 0.8] * forward KL_2: H_T = 1.0 at [0, 0] (gated in),
+    0.5 at [0, 1] (out)."""
+    s = _signals()
+    keep = build_filter("none")(s)
+    out = build_objective("entropy_aware", top_k=2)(s, keep)
+    a = [-1.0 - (-2.0), -0.5 - (-0.25)]  # A = lpS - lpT
+    expected = [a[0] * -1.0 + FORWARD_00, a[1] * -0.5]
+    torch.testing.assert_close(out.loss, torch.tensor([[*expected, 0.0]]), atol=1e-6, rtol=0)
+    assert out.metrics["entropy_gated_share"].item() == 0.5
+    # the sampled part's gradient is A_t on lpS; the KL part reaches the top-k log-probs
+    out.loss.sum().backward()
+    torch.testing.assert_close(s.student_leaf.grad, torch.tensor([[a[0], a[1], 0.0]]))
+    torch.testing.assert_close(s.leaf.grad[0, 0], torch.tensor([-0.45, -0.15]))
+    # coef 0, or a threshold above every entropy: vanilla OPD
+    for kw in ({"coef": 0.0}, {"entropy_threshold": 5.0}):
+        plain = build_objective("entropy_aware", top_k=2, **kw)(_signals(), keep)
+        torch.testing.assert_close(plain.loss, torch.tensor([[a[0] * -1.0, a[1] * -0.5, 0.0]]))
+
+
+def test_entropy_aware_threshold_is_strict() -> None:
+    s = _signals(student_grad=False)
+    keep = build_filter("none")(s)
+    out = build_objective("entropy_aware", top_k=2, entropy_threshold=1.0)(s, keep)
+    assert out.metrics["entropy_gated_share"].item() == 0.0
+    assert build_objective("entropy_aware", importance_ratio_cap=5.0).needs[-1] == "lp_sampler"
