@@ -9,12 +9,12 @@ only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from saopd.choices import SYNC_TRANSPORTS, VLLM_DTYPES
 from saopd.validation import check_choice, check_fraction, check_int, check_number, check_positive
 
-__all__ = ["HFRolloutConfig", "RolloutConfig", "VLLMRolloutConfig"]
+__all__ = ["HFRolloutConfig", "RolloutConfig", "VLLMRolloutConfig", "VLLMServerRolloutConfig"]
 
 
 @dataclass
@@ -146,3 +146,54 @@ class VLLMRolloutConfig(RolloutConfig):
         check_number("startup_timeout", self.startup_timeout, low=0.0, owner="rollout")
         check_choice("sync_transport", self.sync_transport, SYNC_TRANSPORTS, owner="rollout")
         check_int("max_images_per_prompt", self.max_images_per_prompt, owner="rollout")
+
+
+@dataclass
+class VLLMServerRolloutConfig(RolloutConfig):
+    """``rollout=vllm_server``: :class:`saopd.rollout.vllm_server.VLLMServerEngine`, rollouts
+    from one or more vLLM servers started with ``saopd-serve`` (no ``vllm`` package needed in
+    the training environment), synced after every optimizer step through safetensors shards.
+
+    Attributes:
+        importance_ratio_cap: 5.0, as ``rollout=vllm`` (the servers' kernels and precision differ
+            from the trainer's).
+        urls: the servers' base URLs (``[http://127.0.0.1:8000]``; at least one, checked when
+            the engine starts); each step's prompts are spread over them.
+        model: the model id the servers must list in ``/v1/models`` (``saopd-serve --model`` or
+            its ``--served-model-name``); null = whatever the first server serves, the same on
+            every server.
+        weights_dir: the folder global rank 0 writes the student's shards to after every step;
+            every server must read it (null = a temporary folder in ``/dev/shm``: one node only;
+            across nodes a shared file system).
+        weight_bucket_mb: size of the buckets a sync gathers (FSDP) and the shards it writes, MiB.
+        verify_sync: compare per-tensor sums computed by every server with what was sent.
+        startup_timeout: seconds to wait for every server's ``/health`` at start-up.
+        request_timeout: seconds one HTTP request (a prompt's sampling, a reload) may take before
+            the run stops naming the server.
+        max_concurrent_requests: prompts in flight per server (each prompt is one request).
+    """
+
+    engine: str = "vllm_server"
+    importance_ratio_cap: float | None = 5.0
+    urls: list[str] = field(default_factory=list)
+    model: str | None = None
+    weights_dir: str | None = None
+    weight_bucket_mb: int = 512
+    verify_sync: bool = True
+    startup_timeout: float = 600.0
+    request_timeout: float = 1800.0
+    max_concurrent_requests: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_engine(self.engine, "vllm_server")
+        urls = list(self.urls or [])  # empty is refused when the engine starts
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"rollout.urls: {url!r} is not an http(s) URL")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError(f"rollout.urls lists a server more than once: {urls}")
+        check_int("weight_bucket_mb", self.weight_bucket_mb, owner="rollout")
+        check_number("startup_timeout", self.startup_timeout, low=0.0, owner="rollout")
+        check_number("request_timeout", self.request_timeout, low=0.0, owner="rollout")
+        check_int("max_concurrent_requests", self.max_concurrent_requests, owner="rollout")

@@ -1,0 +1,835 @@
+"""A rollout engine on vLLM servers (``rollout=vllm_server``): sampling over HTTP, synced by files.
+
+:class:`VLLMServerEngine` samples from one or more vLLM servers started with ``saopd-serve``
+(:mod:`saopd.serve`: vLLM's OpenAI-compatible server with its dev-mode endpoints and saopd's
+worker extension, :class:`~saopd.rollout.vllm_worker.SaopdWorkerExtension`), listed in
+``rollout.urls``. The training process imports no ``vllm``: it speaks HTTP (``urllib``, no
+proxies) and JSON.
+
+Sampling (:meth:`VLLMServerEngine.generate`) matches :class:`~saopd.rollout.vllm.VLLMEngine`:
+the same chat rendering and prompt limit (:func:`~saopd.rollout.base.limit_prompts`: truncate /
+error / skip, with the same counts); one ``POST /v1/completions`` per kept prompt whose
+``prompt`` is exactly the token ids saopd rendered (so scoring sees what was sampled), with
+``n``, temperature and top-p (top-k, min-p and penalties off), the stop tokens
+(:func:`~saopd.rollout.hf.default_stop_token_ids`), ``logprobs: 0`` (the sampled token's raw
+log-prob: the server must run vLLM's default ``--logprobs-mode raw_logprobs``, which start-up
+checks), ``return_token_ids`` and, with a seed, ``seed + i * n`` for the prompt of index ``i``
+(vLLM gives its ``j``-th sample ``seed + i * n + j``). A prompt is sampled by one server; the
+kept prompts are dealt out over the servers in turn (shifted by the global rank, so that ranks
+with few prompts do not all start on the first server), at most ``max_concurrent_requests`` in
+flight per server. With the same weights a sample does not depend on which server drew it.
+
+Weight sync (:meth:`VLLMServerEngine.load_weights`, after every optimizer step and once at the
+start, on every rank): every rank iterates the student's full parameter set bucket by bucket
+(:func:`~saopd.rollout.vllm_sync.iter_with_sums`; FSDP2 DTensors are gathered with
+``full_tensor()``, a collective), global rank 0 writes the tensors as safetensors shards
+(:func:`~saopd.rollout.vllm_sync.write_shards`, in the servers' dtype) to a folder under
+``rollout.weights_dir`` that every server can read, and then, for every server in parallel:
+checks it is the server met at start-up, has it reload the folder (``POST /collective_rpc``
+``saopd_server_reload``: vLLM's ``reload_weights(weights_path=...)``, the tied LM heads
+repacked), resets its prefix cache (``POST /reset_prefix_cache``) and, with ``verify_sync``,
+compares the float64 sums the server computes of the tensors it stores unchanged (norms;
+embeddings and LM heads over the rows of the student's vocabulary, vLLM pads it) with the sums
+of what was sent, and checks its packed LM head. Rank 0 then broadcasts the
+outcome (a barrier with the error, when there is one, so no rank waits forever or samples stale
+weights).
+
+Start-up (the constructor) waits for every server's ``GET /health`` (``startup_timeout``), reads
+``GET /v1/models`` (the served model id: ``rollout.model``, or the first server's, the same on
+all; the smallest ``max_model_len``), and asks each server who it is (``saopd_server_info``: the
+instance id and start time ``saopd-serve`` set, the worker's pid and host, dtype, log-prob mode
+and model config, which must agree with the student's) and which of its tensors it stores
+under the checkpoint's names and shapes. The first sync writes a probe file to the weights
+folder and has every server read it back, so a folder a server cannot see is reported at once.
+
+Every failure names the server: one that is down or does not answer within ``request_timeout``,
+answers an HTTP error or something that is not the expected JSON, serves another model, or
+restarted since start-up (a new instance or worker pid: it serves its start-up weights, not the
+student's) raises :class:`RolloutServerError`. Not supported yet: vision-language students
+(use ``rollout=vllm``), servers with sleep mode.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import logging
+import math
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from saopd.choices import LONG_PROMPT_MODES
+from saopd.config.rollout import VLLMServerRolloutConfig
+from saopd.prompts.render import render_prompt_ids
+from saopd.rollout.base import (
+    Message,
+    Rollout,
+    RolloutBatch,
+    SamplingParams,
+    limit_prompts,
+    refuse_images,
+)
+from saopd.rollout.hf import default_stop_token_ids
+from saopd.rollout.registry import ENGINES, EngineSetup
+from saopd.rollout.vllm_sync import (
+    canonical_weight_name,
+    checked_weights,
+    iter_with_sums,
+    shm_dir,
+    write_shards,
+)
+from saopd.rollout.vllm_worker import CONFIG_KEYS
+from saopd.validation import check_choice, check_int, check_number
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["RolloutServerError", "ServerClient", "VLLMServerEngine"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = VLLMServerRolloutConfig  # the engine's option defaults are the config schema's
+#: The log-prob mode the servers must run (vLLM's default): log-probs of the raw logits.
+RAW_LOGPROBS = "raw_logprobs"
+_HEALTH_POLL_SECONDS = 0.5
+_PROBE_FILE = "saopd-probe.txt"
+
+
+class RolloutServerError(OSError):
+    """A rollout server is unreachable, restarted, serves another model or answered something
+    saopd cannot use; the message names its URL. An ``OSError``, so that ``saopd-train``
+    reports one at start-up as a one-line error."""
+
+
+def _no_proxy_opener() -> urllib.request.OpenerDirector:
+    """An opener that ignores ``http_proxy`` & co (the servers are on the cluster's network)."""
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class ServerClient:
+    """JSON over HTTP with one ``saopd-serve`` server; every error names its URL.
+
+    Args:
+        url: the server's base URL (``http://127.0.0.1:8000``; a trailing ``/`` is dropped).
+        timeout: seconds a request may take (connect + answer).
+    """
+
+    def __init__(self, url: str, timeout: float) -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout server URL {url!r} is not an http(s) URL")
+        self.url = url.rstrip("/")
+        self.timeout = float(timeout)
+        self._opener = _no_proxy_opener()
+
+    def __repr__(self) -> str:
+        return f"ServerClient({self.url!r})"
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             timeout: float | None = None) -> Any:
+        """``method path`` with ``body`` as JSON; the answer's JSON (None for an empty body).
+
+        ``RolloutServerError`` naming the URL when the server cannot be reached, does not answer
+        in time, answers an HTTP error or answers something that is not JSON.
+        """
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers=headers)
+        limit = self.timeout if timeout is None else timeout
+        where = f"rollout server {self.url}: {method} {path}"
+        try:
+            with self._opener.open(request, timeout=limit) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            raise RolloutServerError(
+                f"{where} answered HTTP {err.code}: {_error_detail(err)}") from None
+        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            reason = getattr(err, "reason", None) or err
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                raise RolloutServerError(
+                    f"{where} got no answer within {limit:g} s (rollout.request_timeout / "
+                    "startup_timeout); is the server overloaded or stuck?") from None
+            raise RolloutServerError(
+                f"{where} failed ({type(reason).__name__}: {reason}); is the server running "
+                "(saopd-serve) and reachable from this machine?") from None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RolloutServerError(
+                f"{where} answered something that is not JSON ({raw[:200]!r}); is this a "
+                "saopd-serve (vLLM) server?") from None
+
+    def garbage(self, path: str, what: str, got: Any) -> RolloutServerError:
+        """The error for an answer of the wrong shape (to raise)."""
+        text = repr(got)
+        if len(text) > 200:
+            text = text[:200] + "..."
+        return RolloutServerError(f"rollout server {self.url}: {path} answered {text}, not "
+                                  f"{what}; is this a saopd-serve (vLLM) server?")
+
+    def health(self, *, timeout: float | None = None) -> None:
+        """``GET /health``; ``RolloutServerError`` unless it answers 200."""
+        self.call("GET", "/health", timeout=timeout)
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Poll ``/health`` until it answers 200; ``RolloutServerError`` naming the URL and the
+        last failure once ``deadline`` (``time.monotonic()``) has passed."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.health(timeout=max(0.1, min(left, 10.0)))
+                return
+            except RolloutServerError as err:
+                if time.monotonic() + _HEALTH_POLL_SECONDS >= deadline:
+                    raise RolloutServerError(
+                        f"rollout server {self.url} was not healthy within the start-up "
+                        f"timeout (rollout.startup_timeout); last try: {err}") from None
+            time.sleep(_HEALTH_POLL_SECONDS)
+
+    def models(self) -> list[dict[str, Any]]:
+        """The model cards of ``GET /v1/models`` (each with a string ``id``)."""
+        got = self.call("GET", "/v1/models")
+        data = got.get("data") if isinstance(got, dict) else None
+        if not isinstance(data, list) or not data or not all(
+                isinstance(card, dict) and isinstance(card.get("id"), str) for card in data):
+            raise self.garbage("/v1/models", "a list of models", got)
+        return data
+
+    def rpc(self, method: str, *args: Any) -> Any:
+        """The first worker's result of ``POST /collective_rpc`` ``method(*args)`` (the
+        endpoint of ``VLLM_SERVER_DEV_MODE=1``; a saopd worker-extension method)."""
+        try:
+            got = self.call("POST", "/collective_rpc", {"method": method, "args": list(args)})
+        except RolloutServerError as err:
+            text = str(err)
+            if "HTTP 404" in text:
+                raise RolloutServerError(
+                    f"rollout server {self.url} has no /collective_rpc (vLLM's dev mode): start "
+                    "it with saopd-serve, which sets VLLM_SERVER_DEV_MODE=1 and saopd's worker "
+                    "extension") from None
+            if method in text and ("has no attribute" in text or "not found" in text):
+                raise RolloutServerError(
+                    f"rollout server {self.url} has no worker method {method!r}: start it with "
+                    f"saopd-serve (saopd's worker extension) from this saopd version ({text})"
+                ) from None
+            raise
+        results = got.get("results") if isinstance(got, dict) else None
+        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
+            raise self.garbage(f"/collective_rpc {method}", "a JSON object per worker", got)
+        return results[0]
+
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        """``POST /reset_prefix_cache``, retried while the server says it could not (blocks
+        still held by running requests); ``RolloutServerError`` if it never succeeds."""
+        got: Any = None
+        for attempt in range(attempts):
+            got = self.call("POST", "/reset_prefix_cache")
+            if not isinstance(got, dict) or not isinstance(got.get("success"), bool):
+                raise self.garbage("/reset_prefix_cache", '{"success": <bool>}', got)
+            if got["success"]:
+                return
+            time.sleep(min(0.05 * 2 ** attempt, 1.0))
+        raise RolloutServerError(
+            f"rollout server {self.url} could not reset its prefix cache ({attempts} tries; "
+            "requests still running?): its cached blocks hold the old weights' keys/values")
+
+    def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/completions`` with ``body``; the answer (a JSON object with choices)."""
+        got = self.call("POST", "/v1/completions", dict(body))
+        if not isinstance(got, dict) or not isinstance(got.get("choices"), list):
+            raise self.garbage("/v1/completions", "a completion with choices", got)
+        return got
+
+
+def _error_detail(err: urllib.error.HTTPError) -> str:
+    """The useful part of an HTTP error's body (vLLM's ``{"error": {"message": ...}}``)."""
+    try:
+        raw = err.read()
+    except OSError:
+        return err.reason or ""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw[:300].decode(errors="replace") or str(err.reason)
+    if isinstance(body, dict):
+        inner = body.get("error", body.get("detail", body))
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])[:500]
+        return str(inner)[:500]
+    return str(body)[:300]
+
+
+def _global_rank_world() -> tuple[int, int]:
+    """(global rank, world size) of the default process group, (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _share_outcome(failure: BaseException | None, rank: int, world: int) -> str | None:
+    """Rank 0's failure message (None = success) on every rank: a broadcast, so the ranks also
+    wait for rank 0's sync (a barrier) and none waits forever when it failed."""
+    if world == 1:
+        return None
+    box: list[Any] = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return None if rank == 0 else box[0]
+
+
+def _drain(stream: Iterable[Any]) -> None:
+    """Consume ``stream`` (its DTensor gathers are collectives the other ranks take part in)."""
+    for _ in stream:
+        pass
+
+
+def _as_float(value: Any) -> float:
+    """A JSON number, or a non-finite float sent as a string; NaN for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    return math.nan
+
+
+@ENGINES.register("vllm_server")
+class VLLMServerEngine:
+    """Samples rollouts from ``saopd-serve`` servers; synced by ``load_weights`` (module
+    docstring). The constructor connects to the servers and checks them.
+
+    Args:
+        urls: the servers' base URLs (at least one).
+        tokenizer: the student's tokenizer (chat template).
+        expected_weights: ``{HF name: shape}`` that ``load_weights`` must receive (the student's
+            parameters, tied ones once).
+        stop_token_ids: stop tokens (at least one; the student's
+            :func:`~saopd.rollout.hf.default_stop_token_ids`).
+        model_config: the student's ``transformers`` config: its :data:`CONFIG_KEYS` values
+            must equal the servers' (None = not compared).
+        model: the model id the servers must list in ``/v1/models`` (None = the first
+            server's first model, which every server must list).
+        weights_dir: parent folder of the sync shards, readable by every server (None =
+            ``/dev/shm`` where the machine has it, else the temporary folder).
+        weight_bucket_mb, verify_sync, startup_timeout, request_timeout,
+        max_concurrent_requests: as in :class:`~saopd.config.rollout.VLLMServerRolloutConfig`.
+        max_prompt_length, prompt_truncation, greedy, chat_template_kwargs: as in
+            :class:`~saopd.rollout.hf.HFGenerateEngine`.
+    """
+
+    holds_weights = True  # needs load_weights after every optimizer step
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        expected_weights: Mapping[str, Sequence[int]],
+        stop_token_ids: Sequence[int],
+        model_config: Any | None = None,
+        model: str | None = _DEFAULTS.model,
+        weights_dir: str | Path | None = _DEFAULTS.weights_dir,
+        weight_bucket_mb: int = _DEFAULTS.weight_bucket_mb,
+        verify_sync: bool = _DEFAULTS.verify_sync,
+        startup_timeout: float = _DEFAULTS.startup_timeout,
+        request_timeout: float = _DEFAULTS.request_timeout,
+        max_concurrent_requests: int = _DEFAULTS.max_concurrent_requests,
+        max_prompt_length: int | None = None,
+        prompt_truncation: str = "truncate",
+        greedy: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(urls, str) or not urls:
+            raise ValueError("rollout.urls must list at least one server, e.g. "
+                             "rollout.urls=[http://127.0.0.1:8000] (saopd-serve prints its URL)")
+        stripped = [str(u).rstrip("/") for u in urls]
+        if len(set(stripped)) != len(stripped):
+            raise ValueError(f"rollout.urls lists a server more than once: {list(urls)}")
+        check_choice("prompt_truncation", prompt_truncation, LONG_PROMPT_MODES,
+                     owner="VLLMServerEngine")
+        for name, flag in (("greedy", greedy), ("verify_sync", verify_sync)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"VLLMServerEngine.{name} must be a bool, got {flag!r}")
+        check_int("max_prompt_length", max_prompt_length, owner="VLLMServerEngine",
+                  allow_none=True)
+        check_int("weight_bucket_mb", weight_bucket_mb, owner="VLLMServerEngine")
+        check_int("max_concurrent_requests", max_concurrent_requests, owner="VLLMServerEngine")
+        check_number("startup_timeout", startup_timeout, low=0.0, owner="VLLMServerEngine")
+        check_number("request_timeout", request_timeout, low=0.0, owner="VLLMServerEngine")
+        stop = tuple(dict.fromkeys(int(t) for t in stop_token_ids))
+        if not stop:
+            raise ValueError("VLLMServerEngine.stop_token_ids must list at least one id")
+
+        self.tokenizer = tokenizer
+        self.clients = [ServerClient(u, request_timeout) for u in urls]
+        self.expected_weights: dict[str, tuple[int, ...]] = {
+            k: tuple(v) for k, v in expected_weights.items()}
+        self.stop_token_ids: tuple[int, ...] = stop
+        self.max_prompt_length = max_prompt_length
+        self.prompt_truncation = prompt_truncation
+        self.greedy = greedy
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.weight_bucket_bytes = weight_bucket_mb << 20
+        self.verify_sync = verify_sync
+        self.max_concurrent_requests = max_concurrent_requests
+        self.last_sync_seconds: float | None = None  # the last load_weights, all of it
+        self.last_write_seconds: float | None = None  # its shard writing (rank 0)
+        self.last_reload_seconds: float | None = None  # its reloads, resets and checks (rank 0)
+        self.last_sync_checked = 0  # tensors compared per server by the last verification
+        self.last_prompts_per_server: list[int] = [0] * len(self.clients)
+        self._sync_dir: Path | None = None
+
+        started = time.perf_counter()
+        deadline = time.monotonic() + startup_timeout
+        for client in self.clients:  # the servers start in parallel: one deadline for all
+            client.wait_healthy(deadline)
+        self.model, self.max_model_len = self._check_models(model)
+        self._identity: dict[str, tuple[str, int]] = {}
+        self._dtype_of: dict[str, str] = {}
+        dtypes = set()
+        for client in self.clients:
+            info = self._info(client)
+            self._identity[client.url] = (info["instance"], info["pid"])
+            dtypes.add(info["dtype"])
+            self._check_config(client, info, model_config)
+        if len(dtypes) != 1:
+            raise RolloutServerError(
+                "the rollout servers run different dtypes "
+                f"({', '.join(f'{c.url}: {self._dtype_of[c.url]}' for c in self.clients)}); "
+                "start them all with the same --dtype")
+        self.dtype: torch.dtype = getattr(torch, dtypes.pop())
+        # HF name -> served name of the tensors stored unchanged: what verification compares
+        self._verify_names: dict[str, str] = {}
+        # served name -> the student's vocabulary rows of a tensor whose vocabulary vLLM padded
+        self._rows: dict[str, int] = {}
+        for client in self.clients:
+            names, rows = self._comparable_names(client)
+            if self._verify_names and (names, rows) != (self._verify_names, self._rows):
+                raise RolloutServerError(
+                    f"rollout server {client.url} stores the student's tensors differently from "
+                    f"{self.clients[0].url}: the servers serve different models")
+            self._verify_names, self._rows = names, rows
+        log.info("rollout servers ready in %.1f s: %s serving %r (%s, max_model_len %d)",
+                 time.perf_counter() - started, ", ".join(c.url for c in self.clients),
+                 self.model, str(self.dtype).removeprefix("torch."), self.max_model_len)
+
+    # ------------------------------------------------------------------------------------------
+    # start-up checks
+
+    def _check_models(self, model: str | None) -> tuple[str, int]:
+        """The served model id every server lists, and the smallest ``max_model_len``."""
+        want = model
+        lengths = []
+        for client in self.clients:
+            cards = client.models()
+            ids = [card["id"] for card in cards]
+            if want is None:
+                want = ids[0]
+            card = next((c for c in cards if c["id"] == want), None)
+            if card is None:
+                source = "rollout.model" if model is not None else self.clients[0].url
+                raise RolloutServerError(
+                    f"rollout server {client.url} serves {ids}, not {want!r} ({source}): it "
+                    "serves another model")
+            length = card.get("max_model_len")
+            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+                raise client.garbage("/v1/models", "a model card with max_model_len", card)
+            lengths.append(length)
+        assert want is not None
+        return want, min(lengths)
+
+    def _info(self, client: ServerClient) -> dict[str, Any]:
+        """The server's ``saopd_server_info``, checked for shape and log-prob mode."""
+        info = client.rpc("saopd_server_info")
+        fields = {"instance": str, "pid": int, "dtype": str, "config": dict}
+        if not all(isinstance(info.get(k), t) for k, t in fields.items()):
+            raise client.garbage("/collective_rpc saopd_server_info",
+                                 "instance, pid, dtype and config", info)
+        if not hasattr(torch, info["dtype"]) or not isinstance(
+                getattr(torch, info["dtype"]), torch.dtype):
+            raise client.garbage("/collective_rpc saopd_server_info", "a torch dtype",
+                                 info["dtype"])
+        mode = info.get("logprobs_mode")
+        if mode is not None and mode != RAW_LOGPROBS:
+            raise RolloutServerError(
+                f"rollout server {client.url} reports {mode} log-probs; saopd needs the raw "
+                f"sampler log-probs (vLLM's default --logprobs-mode {RAW_LOGPROBS})")
+        self._dtype_of[client.url] = info["dtype"]
+        return info
+
+    def _check_config(self, client: ServerClient, info: Mapping[str, Any],
+                      model_config: Any | None) -> None:
+        """The served model's config agrees with the student's on :data:`CONFIG_KEYS`."""
+        if model_config is None:
+            return
+        text = (model_config.get_text_config() if hasattr(model_config, "get_text_config")
+                else model_config)
+        served = info["config"]
+        differ = [f"{key} {served[key]!r} (student: {getattr(text, key)!r})"
+                  for key in CONFIG_KEYS
+                  if key in served and getattr(text, key, None) is not None
+                  and served[key] != getattr(text, key)]
+        if differ:
+            raise RolloutServerError(
+                f"rollout server {client.url} serves {self.model!r}, a model that differs from "
+                f"the student: {', '.join(differ)}; serve a copy of the student "
+                "(save_pretrained) with saopd-serve --model")
+
+    def _comparable_names(self, client: ServerClient) -> tuple[dict[str, str], dict[str, int]]:
+        """HF name -> the server's name of the tensors it stores under the same shape, or
+        padded along the vocabulary (what the sync check compares), and served name -> rows
+        compared of the padded ones; ``RolloutServerError`` when a norm of another shape shows
+        that it serves another model."""
+        got = client.rpc("saopd_server_shapes", sorted(self.expected_weights))
+        shapes, mapped = got.get("shapes"), got.get("names")
+        if not isinstance(shapes, dict) or not isinstance(mapped, dict):
+            raise client.garbage("/collective_rpc saopd_server_shapes", "shapes and names", got)
+        names: dict[str, str] = {}
+        rows: dict[str, int] = {}
+        wrong = []
+        for hf, shape in self.expected_weights.items():
+            name = mapped.get(hf)
+            if not isinstance(name, str) or name not in shapes:
+                continue  # fused or renamed by the model's loader: not comparable
+            served = tuple(shapes[name]) if isinstance(shapes[name], list) else None
+            if served == shape:
+                names[hf] = name
+            elif (served is not None and len(served) == len(shape) >= 2
+                  and served[1:] == shape[1:] and served[0] > shape[0]):
+                names[hf] = name  # a vocabulary vLLM padded: its first rows are compared
+                rows[name] = shape[0]
+            elif hf.endswith("norm.weight") and served is not None:
+                # (an embedding may be padded: vLLM pads the vocabulary; norms are not)
+                wrong.append(f"{hf}: {served} (student: {shape})")
+        if wrong:
+            raise RolloutServerError(
+                f"rollout server {client.url} serves {self.model!r}, whose weights do not fit "
+                f"the student's: {wrong[:3]}")
+        return names, rows
+
+    def _check_identity(self, client: ServerClient) -> None:
+        """``RolloutServerError`` when the server is not the one met at start-up."""
+        info = client.rpc("saopd_server_info")
+        now = (info.get("instance"), info.get("pid"))
+        if now != self._identity[client.url]:
+            then = self._identity[client.url]
+            started = _as_float(info.get("started"))
+            when = (time.strftime(" at %H:%M:%S", time.localtime(started))
+                    if math.isfinite(started) and started > 0 else "")
+            raise RolloutServerError(
+                f"rollout server {client.url} restarted{when} (instance {then[0][:8]} pid "
+                f"{then[1]} at start-up, now {str(now[0])[:8]} pid {now[1]}): it serves its "
+                "start-up weights, not the student's; the run stops (restart it with "
+                "resume=auto)")
+
+    # ------------------------------------------------------------------------------------------
+    # construction from a live model
+
+    @classmethod
+    def from_config(cls, conf: VLLMServerRolloutConfig, student: PreTrainedModel,
+                    tokenizer: PreTrainedTokenizerBase, setup: EngineSetup
+                    ) -> VLLMServerEngine:
+        """The engine ``rollout=vllm_server`` builds
+        (:func:`saopd.rollout.registry.build_engine`); any number of training processes
+        (each rank samples its own prompts, rank 0 syncs). ``ValueError`` for a
+        vision-language student (not supported yet: ``rollout=vllm``)."""
+        if setup.processor is not None:
+            raise ValueError("rollout=vllm_server samples text only for now; a vision-language "
+                             "student needs rollout=vllm")
+        expected = {canonical_weight_name(n): tuple(p.shape)
+                    for n, p in student.named_parameters()}
+        return cls(
+            list(conf.urls), tokenizer, expected_weights=expected,
+            stop_token_ids=default_stop_token_ids(tokenizer, student),
+            model_config=getattr(student, "config", None), model=conf.model,
+            weights_dir=conf.weights_dir, weight_bucket_mb=conf.weight_bucket_mb,
+            verify_sync=conf.verify_sync, startup_timeout=conf.startup_timeout,
+            request_timeout=conf.request_timeout,
+            max_concurrent_requests=conf.max_concurrent_requests, greedy=conf.greedy,
+            max_prompt_length=setup.max_prompt_length, prompt_truncation=setup.prompt_truncation,
+            chat_template_kwargs=setup.chat_template_kwargs)
+
+    # ------------------------------------------------------------------------------------------
+    # generate
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The chat prompt rendered with the generation prompt, before any truncation."""
+        return render_prompt_ids(self.tokenizer, messages, add_generation_prompt=True,
+                                 chat_template_kwargs=self.chat_template_kwargs)
+
+    def request_body(self, ids: Sequence[int], sampling: SamplingParams,
+                     prompt_index: int) -> dict[str, Any]:
+        """The ``/v1/completions`` body of one prompt (token ids) of a ``generate`` call."""
+        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": [int(t) for t in ids], "n": sampling.n,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": 0.0 if self.greedy else sampling.temperature,
+            "top_p": 1.0 if self.greedy else sampling.top_p,
+            "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "logprobs": 0, "stop_token_ids": list(self.stop_token_ids),
+            "return_token_ids": True, "skip_special_tokens": False, "ignore_eos": False,
+        }
+        if seed is not None:
+            body["seed"] = seed
+        return body
+
+    def generate(self, messages: Sequence[list[Message]], sampling: SamplingParams
+                 ) -> RolloutBatch:
+        """Sample ``sampling.n`` responses for each chat prompt (grouped by prompt, in order).
+
+        Returns a :class:`RolloutBatch` like :class:`~saopd.rollout.vllm.VLLMEngine`'s: each
+        response has 1 to ``max_new_tokens`` token ids, ends with its first stop token when
+        ``finished``, carries its raw sampler log-probs and the prompt ids it was sampled from.
+        ``ValueError`` when a kept prompt plus ``max_new_tokens`` exceeds the servers'
+        ``max_model_len``; ``RolloutServerError`` naming the server that failed.
+        """
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if isinstance(messages, (str, Mapping)):
+            raise TypeError("messages must be a sequence of chats (lists of message dicts)")
+        chats = [list(chat) for chat in messages]
+        refuse_images(chats)
+        kept, truncated, skipped = limit_prompts([self.prompt_ids(c) for c in chats],
+                                                 self.max_prompt_length, self.prompt_truncation)
+        batch = RolloutBatch(messages=chats, num_truncated_prompts=truncated,
+                             num_skipped_prompts=skipped)
+        self.last_prompts_per_server = [0] * len(self.clients)
+        if not kept:
+            return batch
+        longest = max(kept, key=lambda item: len(item[1]))
+        if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt {longest[0]} has {len(longest[1])} tokens + max_new_tokens "
+                f"{sampling.max_new_tokens} > the rollout servers' max_model_len "
+                f"{self.max_model_len}; start them with a larger --max-model-len or lower "
+                "data.max_prompt_length / max_new_tokens")
+        for client in self.clients:
+            self._check_identity(client)
+        rank, _ = _global_rank_world()
+        owners = [self.clients[(k + rank) % len(self.clients)] for k in range(len(kept))]
+        for owner in owners:
+            self.last_prompts_per_server[self.clients.index(owner)] += 1
+        slots = {c.url: threading.Semaphore(self.max_concurrent_requests) for c in self.clients}
+
+        def sample(k: int) -> list[Rollout]:
+            index, ids = kept[k]
+            client = owners[k]
+            with slots[client.url]:
+                answer = client.complete(self.request_body(ids, sampling, index))
+            return self._rollouts(client, answer, index, ids, sampling.n)
+
+        workers = min(len(kept), self.max_concurrent_requests * len(self.clients))
+        for rollouts in _map_in_threads(sample, range(len(kept)), workers):
+            batch.rollouts.extend(rollouts)
+        return batch
+
+    def _rollouts(self, client: ServerClient, answer: Mapping[str, Any], index: int,
+                  ids: list[int], n: int) -> list[Rollout]:
+        """The ``n`` rollouts of one completion answer, checked."""
+        where = "/v1/completions"
+        choices = answer["choices"]
+        if len(choices) != n or not all(isinstance(c, dict) for c in choices) or sorted(
+                c.get("index") for c in choices if isinstance(c.get("index"), int)) != list(
+                range(n)):
+            raise client.garbage(where, f"{n} choices indexed 0..{n - 1} (prompt {index})",
+                                 answer)
+        stop = set(self.stop_token_ids)
+        out = []
+        for choice in sorted(choices, key=lambda c: c["index"]):
+            tokens = choice.get("token_ids")
+            logprobs = choice.get("logprobs")
+            values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+            if (not isinstance(tokens, list) or not tokens
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                               for t in tokens)
+                    or not isinstance(values, list) or len(values) != len(tokens)):
+                raise client.garbage(where, "response token ids with one log-prob each "
+                                     f"(prompt {index})", choice)
+            prompt = choice.get("prompt_token_ids", answer.get("prompt_token_ids"))
+            if prompt is not None and list(prompt) != list(ids):
+                raise RolloutServerError(
+                    f"rollout server {client.url} sampled prompt {index} from other prompt ids "
+                    f"than it was sent ({len(prompt)} vs {len(ids)} tokens)")
+            lps = [_as_float(v) for v in values]
+            if not all(math.isfinite(x) for x in lps):
+                raise RuntimeError(
+                    f"rollout server {client.url} returned non-finite sampled-token log-probs "
+                    f"for prompt {index} (sample {choice['index']}): the served model computes "
+                    f"NaN/inf in {str(self.dtype).removeprefix('torch.')}; its samples cannot "
+                    "be trusted")
+            end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
+            out.append(Rollout(prompt_index=index, response_ids=tokens[:end],
+                               sampler_logprobs=lps[:end], finished=end is not None,
+                               prompt_ids=list(ids)))
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Make every server sample from these weights from now on (module docstring).
+
+        Call it on every rank with the same parameters in the same order (FSDP2 gathers are
+        collectives): ``named_tensors`` as for :meth:`~saopd.rollout.vllm.VLLMEngine.load_weights`
+        (full set, HF names, DTensors allowed; checked before anything is written:
+        ``ValueError``). Global rank 0 writes the shards and drives the servers; every rank
+        then raises the same error when any of it failed (``RolloutServerError`` naming the
+        server, ``RuntimeError`` for a sync check that failed). ``last_sync_seconds``,
+        ``last_write_seconds`` and ``last_reload_seconds`` record the times.
+        """
+        started = time.perf_counter()
+        items = checked_weights(named_tensors, self.expected_weights)
+        rank, world = _global_rank_world()
+        sums: dict[str, float] = {}
+        stream = iter_with_sums(items, self.weight_bucket_bytes, self.dtype,
+                                self._verify_names if self.verify_sync else (), sums)
+        failure: BaseException | None = None
+        if rank == 0:
+            try:
+                folder = self._folder()
+                write_shards(stream, folder, self.dtype, self.weight_bucket_bytes)
+                self.last_write_seconds = time.perf_counter() - started
+                reload_started = time.perf_counter()
+                self._reload_all(folder, sums)
+                self.last_reload_seconds = time.perf_counter() - reload_started
+            except Exception as err:
+                failure = err
+                with contextlib.suppress(Exception):
+                    _drain(stream)  # meet the other ranks' gathers
+        else:
+            _drain(stream)
+        message = _share_outcome(failure, rank, world)
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise RolloutServerError(f"the weight sync of global rank 0 failed: {message}")
+        self.last_sync_seconds = time.perf_counter() - started
+
+    def _folder(self) -> Path:
+        """Rank 0's shard folder (created on first use under ``weights_dir``, removed at exit),
+        checked to be readable by every server with a probe file."""
+        if self._sync_dir is not None:
+            return self._sync_dir
+        parent = self.weights_dir if self.weights_dir is not None else shm_dir()
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix="saopd-weights-", dir=parent))
+        atexit.register(shutil.rmtree, folder, True)
+        probe = folder / _PROBE_FILE
+        token = uuid.uuid4().hex
+        probe.write_text(token)
+        try:
+            for client in self.clients:
+                got = client.rpc("saopd_server_read_probe", str(probe))
+                if got.get("text") != token:
+                    raise RolloutServerError(
+                        f"rollout server {client.url} cannot read the weights folder {folder} "
+                        f"that global rank 0 writes ({got.get('error') or 'another file'}): "
+                        "rollout.weights_dir must be a folder every server sees (one node: "
+                        "/dev/shm; several nodes: a shared file system)")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        probe.unlink()
+        self._sync_dir = folder
+        return folder
+
+    def _reload_all(self, folder: Path, sums: Mapping[str, float]) -> None:
+        """Every server (in parallel): same instance, reload ``folder``, reset the prefix
+        cache, check the sums; the failures of all servers in one error."""
+
+        def one(client: ServerClient) -> BaseException | None:
+            try:
+                self._check_identity(client)
+                got = client.rpc("saopd_server_reload", str(folder))
+                if not isinstance(got.get("repacked"), int):
+                    raise client.garbage("/collective_rpc saopd_server_reload",
+                                         '{"repacked": <int>}', got)
+                client.reset_prefix_cache()
+                if self.verify_sync:
+                    self.last_sync_checked = self._check_sums(client, sums)
+                return None
+            except Exception as err:
+                return err
+
+        errors = [e for e in _map_in_threads(one, self.clients, len(self.clients))
+                  if e is not None]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            kind = (RuntimeError if all(isinstance(e, RuntimeError) for e in errors)
+                    else RolloutServerError)
+            raise kind(f"weight sync failed on {len(errors)} rollout servers: "
+                       + " | ".join(str(e) for e in errors))
+
+    def _check_sums(self, client: ServerClient, sums: Mapping[str, float]) -> int:
+        """Compare the server's sums with what was sent; returns how many tensors were
+        compared, ``RuntimeError`` naming the server on a mismatch."""
+        names = sorted(sums)
+        served = [self._verify_names[n] for n in names]
+        got = client.rpc("saopd_server_sync_check", served,
+                         {n: r for n, r in self._rows.items() if n in served})
+        have, stale = got.get("sums"), got.get("stale")
+        if not isinstance(have, dict) or not isinstance(stale, list):
+            raise client.garbage("/collective_rpc saopd_server_sync_check",
+                                 "sums and stale modules", got)
+        values = {n: _as_float(have.get(v)) for n, v in zip(names, served, strict=True)}
+        wrong = [f"{n}: sent sum {sums[n]:.6g}, server has {values[n]:.6g}" for n in names
+                 if not math.isclose(sums[n], values[n], rel_tol=1e-6, abs_tol=1e-4)]
+        wrong += [f"{n}: its packed GEMM weight no longer matches its weight" for n in stale]
+        if wrong:
+            raise RuntimeError(f"rollout server {client.url}: weight sync check failed "
+                               f"({len(wrong)} of {len(names) + len(stale)} checks) after "
+                               f"reload: {wrong[:3]}")
+        return len(names)
+
+    # ------------------------------------------------------------------------------------------
+    # lifetime
+
+    def close(self) -> None:
+        """Remove the shard folder (the servers keep running: they are not the engine's)."""
+        if self._sync_dir is not None:
+            shutil.rmtree(self._sync_dir, ignore_errors=True)
+            self._sync_dir = None
+
+    def __enter__(self) -> VLLMServerEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _map_in_threads(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
+    """``fn`` over ``items`` in up to ``workers`` threads; the results in order. The first
+    error (whichever call raises it first) cancels the calls not yet started and is raised
+    at once, without waiting for the calls still running."""
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="saopd-rollout")
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        return [future.result() for future in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
