@@ -200,7 +200,8 @@ def _callbacks(conf: TrainConfig, engine: RolloutEngine, out_dir: Path) -> list[
                               top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
                               seed=conf.seed)
     callbacks: list[L.Callback] = [
-        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine)),
+        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine),
+                        async_steps=conf.rollout.async_steps),
         checkpoint_callback(conf, out_dir),
         FiniteGuard(),
         PreemptionCheckpoint(out_dir / "checkpoints"),

@@ -31,6 +31,9 @@ class RolloutConfig:
         top_p: nucleus sampling (1.0 = off; likewise our choice for training, not the paper's).
         max_new_tokens: response length limit.
         greedy: argmax decoding instead of sampling (debugging, evaluation).
+        async_steps: 1 = sample step k+1's rollouts while step k trains, from weights one
+            optimizer step old (engines with their own weights; the truncated importance ratio
+            corrects it; ``train/rollout_staleness`` logs it); 0 (default) = on-policy.
         importance_ratio_cap: the default of the sampled objectives' ``importance_ratio_cap``
             (``conf/objective/{sampled,exopd}.yaml`` read it): the truncated importance ratio
             corrects a sampler/trainer mismatch; null when the sampler is the trained module.
@@ -43,9 +46,11 @@ class RolloutConfig:
     max_new_tokens: int = 256
     greedy: bool = False
     importance_ratio_cap: float | None = None
+    async_steps: int = 0
 
     def __post_init__(self) -> None:
         check_int("n", self.n, owner="rollout")
+        check_choice("async_steps", self.async_steps, (0, 1), owner="rollout")
         check_int("max_new_tokens", self.max_new_tokens, owner="rollout")
         check_positive("temperature", self.temperature, owner="rollout")
         check_fraction("top_p", self.top_p, owner="rollout")
@@ -75,6 +80,11 @@ class HFRolloutConfig(RolloutConfig):
         super().__post_init__()
         _check_engine(self.engine, "hf")
         check_int("batch_size", self.batch_size, owner="rollout", allow_none=True)
+        if self.async_steps:
+            raise ValueError("rollout.async_steps=1 needs an engine with its own copy of the "
+                             "weights (rollout=vllm with rollout.in_process=false, or "
+                             "rollout=vllm_server): HF generate samples from the very module "
+                             "being trained")
 
 
 @dataclass
@@ -135,6 +145,11 @@ class VLLMRolloutConfig(RolloutConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_engine(self.engine, "vllm")
+        if self.async_steps and self.in_process:
+            raise ValueError("rollout.async_steps=1 with rollout=vllm needs "
+                             "rollout.in_process=false: the engine samples in a background "
+                             "thread while the step trains, and an in-process CPU engine shares "
+                             "torch's thread settings with the trainer")
         check_choice("dtype", self.dtype, VLLM_DTYPES, owner="rollout")
         check_int("max_model_len", self.max_model_len, owner="rollout", allow_none=True)
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +31,67 @@ class RolloutCallback(L.Callback):
     Generation runs in eval mode under ``no_grad`` (the engine's job); with a seed, step k
     samples with ``seed + k`` so a resumed run draws exactly what an uninterrupted one would.
     Engines that hold their own weights (vLLM) get the student's weights after every step.
+
+    ``async_steps=1`` (``rollout.async_steps``; engines with their own weights only): step k+1's
+    rollouts are sampled in a background thread while step k trains, from the weights the
+    engine holds then (one optimizer step old), with the seed step k+1 would use; the engine's
+    sync after step k waits for that sampling to end. The first step (and the first step after
+    a resume) samples synchronously. ``train/rollout_staleness`` logs how many optimizer steps
+    old the sampling weights were (0 or 1); the truncated importance ratio of the sampled
+    objectives corrects the mismatch.
     """
 
     def __init__(self, engine: RolloutEngine, sampling: SamplingParams,
-                 sync_weights: bool = False) -> None:
+                 sync_weights: bool = False, async_steps: int = 0) -> None:
+        if async_steps not in (0, 1):
+            raise ValueError(f"async_steps must be 0 or 1, got {async_steps!r}")
+        if async_steps and not sync_weights:
+            raise ValueError("async_steps=1 needs an engine with its own copy of the weights "
+                             "(rollout=vllm or vllm_server): HF generate samples from the very "
+                             "module being trained")
         self.engine = engine
         self.sampling = sampling
         self.sync_weights = sync_weights
+        self.async_steps = async_steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saopd-rollout") \
+            if async_steps else None
+        self._ahead: tuple[int, list[Any], Future[Any]] | None = None
+
+    def _sampling(self, trainer: L.Trainer, step: int) -> SamplingParams:
+        if self.sampling.seed is None:
+            return self.sampling
+        # each data-parallel rank draws its own stream (rank 0 as a single process does)
+        seed = self.sampling.seed + step + 1_000_003 * trainer.global_rank
+        return dataclasses.replace(self.sampling, seed=seed)
+
+    def _take_ahead(self, step: int, messages: list[Any]) -> Any | None:
+        """The rollouts sampled ahead for ``step`` if they are for these prompts, else None
+        (after waiting for any sampling still running)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        rollouts = ahead[2].result()
+        return rollouts if ahead[0] == step and ahead[1] == messages else None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict[str, Any],
                              batch_idx: int) -> None:
         pl_module.step_started = time.perf_counter()
-        sampling = self.sampling
-        if sampling.seed is not None:
-            # each data-parallel rank draws its own stream (rank 0 as a single process does)
-            seed = sampling.seed + trainer.global_step + 1_000_003 * trainer.global_rank
-            sampling = dataclasses.replace(sampling, seed=seed)
-        pl_module.pending_rollouts = self.engine.generate(batch["messages"], sampling)
+        step = trainer.global_step
+        rollouts = self._take_ahead(step, batch["messages"])
+        staleness = 0 if rollouts is None else 1
+        if rollouts is None:
+            rollouts = self.engine.generate(batch["messages"], self._sampling(trainer, step))
+        pl_module.pending_rollouts = rollouts
+        if self.async_steps:
+            pl_module.log("train/rollout_staleness", float(staleness), on_step=True,
+                          on_epoch=False, batch_size=1)
+            datamodule = getattr(trainer, "datamodule", None)
+            if step + 1 < trainer.max_steps and hasattr(datamodule, "step_batch"):
+                nxt = datamodule.step_batch(step + 1, trainer.global_rank,
+                                            trainer.world_size)["messages"]
+                assert self._pool is not None
+                self._ahead = (step + 1, nxt, self._pool.submit(
+                    self.engine.generate, nxt, self._sampling(trainer, step + 1)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         # the engine copied the student before a resumed checkpoint was loaded into it
@@ -56,7 +101,16 @@ class RolloutCallback(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         if self.sync_weights:
+            if self._ahead is not None:  # the engine cannot reload while it samples
+                wait([self._ahead[2]])
             self.engine.load_weights(pl_module.student.named_parameters())
+
+    def teardown(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            wait([ahead[2]])  # never leave the engine sampling behind a finished run
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class TokenViewCallback(L.Callback):

@@ -93,6 +93,17 @@ class PromptDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.start_step = 0
 
+    def step_batch(self, step: int, rank: int = 0, world_size: int = 1) -> dict[str, list[Any]]:
+        """The collated batch rank ``rank`` of ``world_size`` trains on at optimizer step
+        ``step`` (what the dataloader yields then): for sampling a step's rollouts ahead of
+        time (``rollout.async_steps``)."""
+        sampler = StepBatchSampler(len(self.records), self.prompts_per_step, self.num_steps,
+                                   seed=self.seed, shuffle=self.shuffle, rank=rank,
+                                   world_size=world_size)
+        share = self.prompts_per_step // world_size
+        indices = sampler.batch(step)[rank * share: (rank + 1) * share]
+        return collate_prompts([self.records[i] for i in indices])
+
     def _current_step(self) -> int:
         return self.trainer.global_step if self.trainer is not None else self.start_step
 

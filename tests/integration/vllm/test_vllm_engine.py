@@ -285,3 +285,20 @@ def test_one_training_step_with_vllm_rollouts(make_cfg, engine) -> None:
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert "train/importance_ratio" in metrics  # the truncated ratio was on, with vLLM lp
     _assert_same_as_hf(check.ours, check.theirs)
+
+
+def test_one_step_off_rollouts_with_an_out_of_process_engine(make_cfg) -> None:
+    """rollout.async_steps=1 on real vLLM: step k+1 is sampled in a background thread (the
+    engine core in its own process) while step k trains; the sync after each step waits for it."""
+    from saopd.train import train
+
+    summary = train(make_cfg("experiment=tiny", "rollout=vllm", "steps=3",
+                             "rollout.in_process=false", "rollout.async_steps=1",
+                             "rollout.kv_cache_gb=0.25", "rollout.enforce_eager=true",
+                             "rollout.max_model_len=1024", "trainer.view_every_n_steps=0",
+                             mlflow=False))
+    assert summary["steps"] == 3
+    metrics = summary["metrics"]
+    assert metrics["train/rollout_staleness"] == 1.0  # the last step trained on stale samples
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+    assert 0 < metrics["train/importance_ratio"] <= 5.0  # the correction was applied
