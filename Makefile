@@ -125,3 +125,11 @@ bench-trl: setup-trl
 # on a shared 2-core machine.
 planted-prior: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/planted_prior/run.py --threads 1
+
+# The arithmetic testbed (experiments/testbed/README.md): task data, a teacher and a weaker student
+# trained from scratch (dvc repro testbed_student testbed_teacher), study=baselines and
+# study=ablation_filters at 3 seeds through saopd-train, then saopd-report and the testbed's own
+# tables and figures in experiments/testbed/results/ (about an hour on 2 CPU cores).
+.PHONY: testbed
+testbed: setup
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/run.py

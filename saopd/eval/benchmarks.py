@@ -27,8 +27,10 @@ __all__ = ["BENCHMARKS", "GRADER_KINDS", "MODALITIES", "Benchmark", "register_be
 #: math-verify on the extracted final answer (:mod:`saopd.eval.math`); ``vision``: each row by its
 #: ``metadata["format"]`` (count, choice, numeric, text: :mod:`saopd.eval.vision`), rows without
 #: one by math-verify; ``mmifeval``: the mean of each row's constraint verdicts
-#: (:mod:`saopd.eval.mmifeval`).
-GRADER_KINDS = ("math", "vision", "mmifeval")
+#: (:mod:`saopd.eval.mmifeval`); ``exact``: the last ``\\boxed{}`` equals the integer gold, and
+#: each row's ``metadata["phrases"]`` are counted per sample
+#: (:func:`saopd.eval.grading.grade_exact_phrases`; logged as ``eval/<name>/phrase_<phrase>``).
+GRADER_KINDS = ("math", "vision", "mmifeval", "exact")
 #: What a benchmark's prompts hold: ``text`` only, or ``vision`` (image parts: the model needs
 #: its processor).
 MODALITIES = ("text", "vision")
@@ -147,3 +149,10 @@ register_benchmark(Benchmark(
     "mathvista", file="../vlm_eval/mathvista.jsonl", stage="prepare_vlm_eval",
     grader="vision", k=8, max_new_tokens=4096, modality="vision",
     description="MathVista testmini: visual math (option letters, numbers, short text)"))
+
+# The arithmetic testbed (saopd/stages/testbed.py; experiments/testbed): held-out addition
+# problems with exact answers; the teacher's planted habit phrases are counted per sample.
+register_benchmark(Benchmark(
+    "arith", file="../testbed/test.jsonl", stage="testbed_data", grader="exact", k=1,
+    max_new_tokens=96, modality="text",
+    description="Arithmetic testbed: held-out multi-digit additions, exact answer, habit rates"))

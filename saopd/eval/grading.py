@@ -29,12 +29,13 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
@@ -46,11 +47,14 @@ from saopd.eval.math import (
     extract_answer,
     prepare_gold,
 )
+from saopd.latex import last_boxed
 
 __all__ = [
+    "ExactGrade",
     "GradeResult",
     "grade",
     "grade_detailed",
+    "grade_exact_phrases",
     "grade_many",
     "grade_many_detailed",
 ]
@@ -399,3 +403,47 @@ def grade_many(
     return [r.correct for r in grade_many_detailed(
         pairs, workers=workers, timeout_s=timeout_s, chunk_size=chunk_size,
         mp_context=mp_context)]
+
+
+# --------------------------------------------------------------------------------------------
+# Exact integer answers and planted phrases (the arithmetic testbed)
+# --------------------------------------------------------------------------------------------
+
+
+class ExactGrade(NamedTuple):
+    """The outcome of :func:`grade_exact_phrases`.
+
+    Attributes:
+        correct: the last ``\\boxed{}`` holds exactly the gold integer.
+        answer: the last ``\\boxed{}``'s content (None if there is none).
+        phrases: phrase name -> 1.0 if the phrase occurs in the response, else 0.0.
+    """
+
+    correct: bool
+    answer: str | None
+    phrases: dict[str, float]
+
+
+def grade_exact_phrases(response: str | None, gold: object,
+                        phrases: Mapping[str, str] | None = None) -> ExactGrade:
+    """Exact-integer grading of the last ``\\boxed{}`` (no math-verify, in-process) and which of
+    ``phrases`` (name -> text) the response contains, verbatim.
+
+    Used by benchmarks graded ``exact`` (rows with ``metadata.format: exact_int``; the phrases
+    come from ``metadata.phrases``): the arithmetic testbed's planted habits are such phrases.
+    A non-string response is wrong and contains nothing; the gold must be an integer (as a
+    string or int), else ``GoldAnswerError``.
+    """
+    try:
+        gold_int = int(str(gold).strip())
+    except ValueError:
+        raise GoldAnswerError(f"exact_int gold must be an integer, got {gold!r}") from None
+    text = response if isinstance(response, str) else ""
+    hits = {name: float(bool(phrase) and phrase in text)
+            for name, phrase in (phrases or {}).items()}
+    answer = last_boxed(text)
+    if answer is None:
+        return ExactGrade(False, None, hits)
+    stripped = answer.strip()
+    correct = bool(re.fullmatch(r"-?\d+", stripped)) and int(stripped) == gold_int
+    return ExactGrade(correct, answer, hits)

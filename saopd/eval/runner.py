@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from saopd.eval.benchmarks import BENCHMARKS
-from saopd.eval.grading import grade_many
+from saopd.eval.grading import grade_exact_phrases, grade_many
 from saopd.eval.math import extract_answer
 from saopd.eval.mmifeval import grade_mmifeval
 from saopd.eval.vision import grade_vision
@@ -79,7 +79,9 @@ class BenchmarkResult:
 
     ``problems``: problems with at least one graded sample (the score's denominator);
     ``ungraded``: samples left without a score (MM-IFEval rows whose constraints all need a
-    judge and none was given); ``ungraded_constraints``: MM-IFEval constraints not graded.
+    judge and none was given); ``ungraded_constraints``: MM-IFEval constraints not graded;
+    ``extra``: per-sample side metrics a grader set (``sample["metrics"]``, e.g. the ``exact``
+    grader's ``phrase_<name>``), averaged over the samples that have them.
     """
 
     name: str
@@ -90,6 +92,7 @@ class BenchmarkResult:
     unfinished: int = 0
     ungraded: int = 0
     ungraded_constraints: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def load_benchmark(name: str, data_dir: str | Path, *, limit: int | None = None,
@@ -206,9 +209,25 @@ def _mmifeval_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalP
     return scores
 
 
+def _exact_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
+                  grade_workers: int | None, judge: MMIFEvalJudge | None
+                  ) -> list[float | None]:
+    """:func:`saopd.eval.grading.grade_exact_phrases` per sample (in-process): exact integer
+    answers; sets ``extracted`` and ``metrics`` (``phrase_<name>``: 1.0 if the row's
+    ``metadata["phrases"][name]`` occurs in the response)."""
+    scores: list[float | None] = []
+    for s in samples:
+        meta = problems[s["id"]].metadata
+        res = grade_exact_phrases(s["response"], s["gold"], meta.get("phrases"))
+        s["extracted"] = res.answer
+        s["metrics"] = {f"phrase_{name}": hit for name, hit in res.phrases.items()}
+        scores.append(float(res.correct))
+    return scores
+
+
 #: The graders of :data:`saopd.eval.benchmarks.GRADER_KINDS`, by kind.
 GRADERS: dict[str, SampleGrader] = {"math": _math_scores, "vision": _vision_scores,
-                                    "mmifeval": _mmifeval_scores}
+                                    "mmifeval": _mmifeval_scores, "exact": _exact_scores}
 
 
 def grade_samples(name: str, samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem],
@@ -285,7 +304,12 @@ def evaluate_benchmark(
         per_problem.setdefault(sample["id"], []).append(value)
     score = (sum(sum(v) / len(v) for v in per_problem.values()) / len(per_problem)
              if per_problem else 0.0)
+    side: dict[str, list[float]] = {}
+    for sample in samples:
+        for key, value in (sample.get("metrics") or {}).items():
+            side.setdefault(key, []).append(float(value))
     return BenchmarkResult(name=name, k=sampling.n, score=score, problems=len(per_problem),
+                           extra={k: sum(v) / len(v) for k, v in side.items()},
                            samples=samples, unfinished=unfinished, ungraded=ungraded,
                            ungraded_constraints=sum(s.get("ungraded_constraints", 0)
                                                     for s in samples))

@@ -223,6 +223,7 @@ class EvalCallback(L.Callback):
             write_jsonl_atomic(self.out_dir / "eval" / f"step_{step:06d}" / f"{name}.jsonl",
                                res.samples)
             metrics[f"eval/{name}/avg_at_{res.k}"] = res.score
+            metrics.update({f"eval/{name}/{key}": v for key, v in res.extra.items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         pl_module.last_eval = metrics

@@ -18,7 +18,7 @@ line below, its entry in ``dvc.yaml`` (``cmd: python -m saopd.stages <name> --pa
 params.yaml``) and a test.
 """
 
-from saopd.stages import math, paper_vlm, synth_vqa, vlm_eval  # noqa: F401  (registration)
+from saopd.stages import math, paper_vlm, synth_vqa, testbed, vlm_eval  # noqa: F401  (registration)
 from saopd.stages.common import STAGES, PrepareError, Stage, StageReport
 
 __all__ = ["STAGES", "PrepareError", "Stage", "StageReport"]

@@ -1,0 +1,218 @@
+"""The arithmetic testbed end to end: models, studies, tables and figures (``make testbed``).
+
+1. ``dvc repro testbed_student testbed_teacher`` (data, teacher and student; cached);
+2. reference rows: the untrained student and the teacher on the held-out benchmark ``arith``
+   (the same evaluation as during training, one sampling seed per study seed);
+3. each study as a user runs it: ``saopd-train -m experiment=testbed study=<study>`` (MLflow,
+   tagged ``study=<study>``), evaluation every ``--eval-every`` steps;
+4. per study: ``saopd-report`` (accuracy, mean ± 95% CI) and this script's own tables: accuracy,
+   habit rates, filtered share, FLMR and the filter's selection by ground-truth source
+   (:mod:`saopd.testbeds.arithmetic`, from each run's token records), plus figures of accuracy
+   and habit rates over steps per method; all into ``experiments/testbed/results/``.
+
+    .venv/bin/python experiments/testbed/run.py                      # everything (~1 h, 2 CPUs)
+    .venv/bin/python experiments/testbed/run.py --studies baselines --skip-train   # tables only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = REPO / ".venv" / "bin"
+OUT = REPO / "experiments" / "testbed" / "results"
+TASK = REPO / "data" / "prepared" / "testbed" / "task.json"
+EXPERIMENT = "testbed"
+
+
+def _run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True)
+
+
+def _ci95(values: list[float]) -> tuple[float, float]:
+    from saopd.analysis.tables import t_quantile_975
+
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return mean, t_quantile_975(len(vals) - 1) * math.sqrt(var / len(vals))
+
+
+def _fmt(mean: float, half: float, digits: int = 3) -> str:
+    if math.isnan(mean):
+        return "-"
+    return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]]:
+    """Held-out accuracy and habit rates of the untrained student and of the teacher."""
+    import torch
+
+    from saopd.config.rollout import HFRolloutConfig
+    from saopd.eval.runner import evaluate_benchmark, load_benchmark
+    from saopd.models.loading import load_causal_lm, load_tokenizer
+    from saopd.rollout.base import SamplingParams
+    from saopd.rollout.registry import build_engine
+
+    torch.set_num_threads(1)
+    problems = load_benchmark("arith", REPO / "data" / "prepared" / "eval", limit=limit)
+    out: dict[str, dict[str, list[float]]] = {}
+    for label, folder in (("Student (untrained)", "student"), ("Teacher", "teacher")):
+        path = REPO / "data" / "models" / "testbed" / folder
+        model, tok = load_causal_lm(str(path), dtype="float32"), load_tokenizer(str(path))
+        engine = build_engine(HFRolloutConfig(batch_size=64), model.eval(), tok)
+        rows: dict[str, list[float]] = {}
+        for seed in seeds:
+            res = evaluate_benchmark("arith", problems, engine, tok,
+                                     SamplingParams(n=1, temperature=1.0, top_p=1.0,
+                                                    max_new_tokens=64, seed=seed), batch_size=64)
+            for key, value in {"accuracy": res.score, **res.extra}.items():
+                rows.setdefault(key, []).append(value)
+        out[label] = rows
+        print(label, {k: _fmt(*_ci95(v)) for k, v in rows.items()}, flush=True)
+    return out
+
+
+def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """Per-method tables (mean ± 95% CI over seeds) and figures of one study's runs."""
+    from saopd.analysis.runs import (
+        RunQuery,
+        download_token_records,
+        load_runs,
+        method_labels,
+        metric_histories,
+        run_seeds,
+    )
+    from saopd.testbeds.arithmetic import load_habits, read_token_records, selection_by_source
+
+    uri = f"sqlite:///{REPO / 'mlflow.db'}"
+    runs = load_runs(uri, RunQuery(experiments=(EXPERIMENT,), tags={"study": study},
+                                   statuses=("FINISHED",)))
+    runs = runs.assign(label=method_labels(runs), seed=run_seeds(runs))
+    runs = runs.sort_values("start_time").drop_duplicates(["label", "seed"], keep="last")
+    habits = load_habits(TASK)
+    phrase_keys = [f"eval/arith/phrase_{h.name}" for h in habits]
+    keys = ["eval/arith/avg_at_1", *phrase_keys, "train/filtered_ratio", "train/flmr"]
+    hist = metric_histories(uri, runs["run_id"], keys)
+    per_run: dict[str, dict[str, float]] = {}
+    for run_id in runs["run_id"]:
+        h = hist[hist.run_id == run_id]
+        row: dict[str, float] = {}
+        for key in keys:
+            pts = h[h.key == key].sort_values("step")
+            if key.startswith("eval/"):
+                row[key] = float(pts.value.iloc[-1]) if len(pts) else float("nan")
+            else:  # training metrics: the mean over the run's steps
+                row[key] = float(pts.value.mean()) if len(pts) else float("nan")
+        files = download_token_records(uri, run_id, OUT / ".records" / run_id)
+        records = read_token_records(files[0].parent) if files else []
+        counts = selection_by_source((x for r in records for x in r["responses"]), habits)
+        row.update({f"sel/{k}": v for k, v in counts.summary().items()})
+        per_run[run_id] = row
+    methods = list(dict.fromkeys(runs["label"]))
+    table: dict[str, dict[str, tuple[float, float]]] = {}
+    for label in methods:
+        ids = runs[runs.label == label]["run_id"]
+        cols = per_run[ids.iloc[0]].keys()
+        table[label] = {c: _ci95([per_run[i][c] for i in ids]) for c in cols}
+    _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict())
+    _figures(study, runs, hist, phrase_keys)
+    return {"methods": {m: {c: list(v) for c, v in cols.items()} for m, cols in table.items()},
+            "runs": {r: per_run[r] for r in per_run}}
+
+
+def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
+                  refs: dict[str, dict[str, list[float]]], habits: list[Any],
+                  n_seeds: dict[str, int]) -> None:
+    names = [h.name for h in habits]
+    lines = [f"## {study}: held-out accuracy and habit rates (final step; mean ± 95% CI over "
+             "seeds)", "",
+             "| method | seeds | accuracy | " + " | ".join(f"habit `{n}`" for n in names)
+             + " | filtered share | FLMR |", "|---" * (5 + len(names)) + "|"]
+    for label, vals in refs.items():
+        cells = [_fmt(*_ci95(vals["accuracy"]))] + [_fmt(*_ci95(vals[f"phrase_{n}"]))
+                                                   for n in names]
+        lines.append(f"| {label} | {len(vals['accuracy'])} sampling seeds | " + " | ".join(cells)
+                     + " | - | - |")
+    for label, cols in table.items():
+        cells = [_fmt(*cols["eval/arith/avg_at_1"])] + \
+                [_fmt(*cols[f"eval/arith/phrase_{n}"]) for n in names] + \
+                [_fmt(*cols["train/filtered_ratio"]), _fmt(*cols["train/flmr"])]
+        lines.append(f"| {label} | {n_seeds.get(label, 0)} | " + " | ".join(cells) + " |")
+    lines += ["", f"## {study}: the filter's selection by ground-truth source (all steps' "
+              "token records; mean ± 95% CI over seeds)", "",
+              "| method | filtered share | P(filtered \\| habit) | P(filtered \\| slot) | "
+              "P(filtered \\| grounded) | filtered from habit | from slot | from grounded | "
+              "gap habit | gap slot | gap grounded |", "|---" * 11 + "|"]
+    for label, cols in table.items():
+        keys = ["sel/filtered_share", "sel/p_filtered_habit", "sel/p_filtered_slot",
+                "sel/p_filtered_grounded", "sel/filtered_from_habit", "sel/filtered_from_slot",
+                "sel/filtered_from_grounded", "sel/gap_habit", "sel/gap_slot", "sel/gap_grounded"]
+        lines.append(f"| {label} | " + " | ".join(_fmt(*cols[k]) for k in keys) + " |")
+    (OUT / f"{study}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines), flush=True)
+
+
+def _figures(study: str, runs: Any, hist: Any, phrase_keys: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["eval/arith/avg_at_1", *phrase_keys]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
+    for ax, key in zip(axes, keys, strict=True):
+        for label in dict.fromkeys(runs["label"]):
+            ids = set(runs[runs.label == label]["run_id"])
+            h = hist[(hist.key == key) & hist.run_id.isin(ids)]
+            mean = h.groupby("step").value.mean()
+            ax.plot(mean.index + 1, mean.values, marker="o", label=label)
+        ax.set_title(key.replace("eval/arith/", "").replace("avg_at_1", "accuracy"))
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT / f"{study}_over_steps.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the testbed (see the module docstring); returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--studies", default="baselines,ablation_filters")
+    ap.add_argument("--skip-train", action="store_true", help="only tables from MLflow runs")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--ref-seeds", default="0,1,2")
+    ap.add_argument("--ref-limit", type=int, default=200)
+    args = ap.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    _run([str(BIN / "dvc"), "repro", "testbed_student", "testbed_teacher"])
+    refs = references([int(s) for s in args.ref_seeds.split(",")], args.ref_limit)
+    results: dict[str, Any] = {"references": refs}
+    for study in args.studies.split(","):
+        if not args.skip_train:
+            _run([str(BIN / "saopd-train"), "-m", f"experiment={EXPERIMENT}", f"study={study}",
+                  f"eval.every_n_steps={args.eval_every}"])
+        _run([str(BIN / "saopd-report"), "-e", EXPERIMENT, "-t", f"study={study}",
+              "--spread", "ci95", "--benchmarks", "arith", "--out", str(OUT / f"report_{study}"),
+              "--log-to", "none"])
+        results[study] = analyse(study, refs)
+    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

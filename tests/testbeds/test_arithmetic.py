@@ -1,0 +1,129 @@
+"""The arithmetic testbed: task rendering, token sources, and a 2-step smoke run of the whole
+plumbing (data stage, teacher and student stages, saopd-train with eval, token records)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import yaml
+
+from saopd.eval.grading import grade_exact_phrases
+from saopd.stages.testbed import (
+    Habit,
+    Problem,
+    make_problems,
+    prepare_testbed_data,
+    render_response,
+    solution_text,
+    train_testbed_student,
+    train_testbed_teacher,
+)
+from saopd.testbeds.arithmetic import (
+    HabitSpec,
+    load_habits,
+    read_token_records,
+    selection_by_source,
+    token_sources,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+HABITS = [HabitSpec("preamble", "Let us think step by step.", "start"),
+          HabitSpec("signoff", "So we check the final result.", "end")]
+
+
+def test_solution_is_the_column_sum_with_carries() -> None:
+    assert solution_text(Problem(347, 85)) == (
+        "7 + 5 = 12\n4 + 8 + 1 = 13\n3 + 1 = 4\nSo the answer is \\boxed{432}.")
+    assert solution_text(Problem(99, 1)) == (  # the last carry is read off the last column sum
+        "9 + 1 = 10\n9 + 1 = 10\nSo the answer is \\boxed{100}.")
+
+
+def test_habits_follow_the_rate_and_not_the_input() -> None:
+    habits = [Habit(h.name, h.text, h.place) for h in HABITS]
+    rng = random.Random(0)
+    used = [render_response(p, habits, 0.5, rng)[1]
+            for p in make_problems(400, max_digits=3, seed=0)]
+    rate = sum("preamble" in u for u in used) / len(used)
+    assert 0.4 < rate < 0.6
+    text, names = render_response(Problem(1, 2), habits, 1.0, random.Random(0))
+    assert names == ["preamble", "signoff"]
+    assert text.startswith("Let us think step by step.\n1 + 2 = 3")
+    assert text.endswith("\\boxed{3}.\nSo we check the final result.")
+    grade = grade_exact_phrases(text, "3", {h.name: h.text for h in habits})
+    assert grade.correct and grade.phrases == {"preamble": 1.0, "signoff": 1.0}
+    assert not grade_exact_phrases("\\boxed{3.0}", "3").correct
+
+
+def test_token_sources() -> None:
+    tokens = ["Let", " us", " think", " step", " by", " step", ".", "\n", "1", " +", " 2", " =",
+              " 3", "\n", "So", " the", " answer", " is", " \\", "boxed", "{", "3", "}.", "<end>"]
+    src = token_sources(tokens, HABITS)
+    assert src[:8] == ["habit"] * 8
+    assert src[8:22] == ["grounded"] * 14  # the solution and the answer line (token "3" too)
+    assert src[23] == "slot"  # where the signoff could have started
+    plain = token_sources(["1", " +", " 2", "\n", "So", " the", " answer", " is", " \\",
+                           "boxed", "{", "3", "}.", "\n", "So", " we", " check", " the",
+                           " final", " result", "."], HABITS)
+    assert plain[0] == "slot" and plain[13:] == ["habit"] * 8
+    assert set(plain[1:13]) == {"grounded"}
+
+
+@pytest.fixture(scope="module")
+def tiny_testbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The three stages at toy size (1-layer models, 3 training steps)."""
+    tmp = tmp_path_factory.mktemp("testbed")
+    params = copy.deepcopy(yaml.safe_load((REPO / "params.yaml").read_text()))
+    data = params["testbed_data"]
+    data.update(out_dir=str(tmp / "prepared" / "testbed"), test=8, train_prompts=16)
+    for role in ("teacher", "student"):
+        params[f"testbed_{role}"].update(
+            data_dir=data["out_dir"], model_dir=str(tmp / "models" / role), layers=1, hidden=32,
+            heads=1, kv_heads=1, problems=64, steps=3, batch_size=8, threads=1, eval_limit=4)
+    prepare_testbed_data(params, tmp)
+    train_testbed_teacher(params, tmp)
+    report = train_testbed_student(params, tmp)
+    assert set(report["held_out"]) >= {"accuracy", "phrase_preamble", "phrase_signoff"}
+    return tmp
+
+
+def test_smoke_two_steps(tiny_testbed: Path, make_cfg) -> None:
+    from saopd.train import train
+
+    tmp = tiny_testbed
+    cfg = make_cfg("experiment=testbed", "steps=2", "prompts_per_step=2",
+                   f"student.name_or_path={tmp / 'models' / 'student'}",
+                   f"teacher.name_or_path={tmp / 'models' / 'teacher'}",
+                   f"data.path={tmp / 'prepared' / 'testbed' / 'train.jsonl'}",
+                   f"eval.data_dir={tmp / 'prepared' / 'eval'}", "eval.every_n_steps=1",
+                   "eval.limit=4", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
+                   mlflow=False, tmp=tmp)
+    summary = train(cfg)
+    assert summary["steps"] == 2
+    samples = [json.loads(line) for line in (Path(summary["output_dir"]) / "eval" / "step_000001"
+                                             / "arith.jsonl").read_text().splitlines()]
+    assert len(samples) == 4
+    assert all(set(x["metrics"]) == {"phrase_preamble", "phrase_signoff"} for x in samples)
+    records = read_token_records(Path(summary["output_dir"]) / "token_records")
+    assert [r["step"] for r in records] == [0, 1]
+    habits = load_habits(tmp / "prepared" / "testbed" / "task.json")
+    counts = selection_by_source((x for r in records for x in r["responses"]), habits)
+    out = counts.summary()
+    assert out["tokens"] == sum(len(x["tokens"]) for r in records for x in r["responses"])
+    assert 0.0 <= out["filtered_share"] <= 1.0
+
+
+def test_a_corrupted_digit_is_one_wrong_digit_of_the_worked_lines() -> None:
+    from saopd.models.tiny import tiny_tokenizer
+    from saopd.stages.testbed import build_example_ids, corrupt_one_digit
+
+    tok = tiny_tokenizer()
+    ids, start = build_example_ids(tok, "Compute 347 + 85.", solution_text(Problem(347, 85)))
+    clean = list(ids)
+    at = corrupt_one_digit(ids, start, tok, random.Random(3))
+    assert at is not None and [i for i in range(len(ids)) if ids[i] != clean[i]] == [at]
+    assert tok.decode(ids[at:at + 1]).isdigit()
+    assert "\\boxed{432}" in tok.decode(ids[start:])  # the answer line is never touched
