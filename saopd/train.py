@@ -47,11 +47,18 @@ from saopd.lightning.runs import (
     write_training_config,
 )
 from saopd.lightning.trainer import build_trainer, checkpoint_callback
-from saopd.models.factory import build_pair
+from saopd.models.factory import ModelPair, build_pair, build_student_for_service
 from saopd.objectives import build_objective
 from saopd.paths import conf_dir, register_resolvers
 from saopd.prompts.sources import load_prompts
 from saopd.rollout import RolloutEngine, SamplingParams, build_engine, holds_weights
+from saopd.scoring.teacher_service import (
+    TeacherScorer,
+    TeacherServiceError,
+    VLLMServerTeacherScorer,
+    VLLMTeacherScorer,
+    check_servable,
+)
 from saopd.sweeps import is_multirun, record_job_failure, sweep_tags
 from saopd.tracking import default_tracking_uri, log_resolved_config, make_mlflow_logger, store_lock
 
@@ -117,8 +124,19 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
         _record_resume_changes(out_dir, changes)
 
     started = time.perf_counter()
-    pair = _checked("models", build_pair, conf.student, conf.teacher,
-                    chat_template_kwargs=conf.data.chat_template_kwargs)
+    service = conf.teacher_scoring.backend != "hf"
+    if service:  # refused before anything is loaded
+        _checked("teacher_scoring", check_servable,
+                 {f"filter={conf.filter['name']}": token_filter,
+                  f"objective={conf.objective['name']}": objective},
+                 conf.teacher_scoring.backend, conf.teacher_scoring.top_k)
+        pair = _checked("models", build_student_for_service, conf.student, conf.teacher,
+                        chat_template_kwargs=conf.data.chat_template_kwargs,
+                        teacher_folder=conf.teacher_scoring.backend == "vllm",
+                        folder_parent=conf.teacher_scoring.model_dir)
+    else:
+        pair = _checked("models", build_pair, conf.student, conf.teacher,
+                        chat_template_kwargs=conf.data.chat_template_kwargs)
     log.info("models ready in %.1f s; tokenizers: %s", time.perf_counter() - started,
              pair.vocab.describe())
     records, data_counts = _checked("data", load_prompts, conf.data, pair.tokenizer,
@@ -131,9 +149,15 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
         chat_template_kwargs=conf.data.chat_template_kwargs, processor=pair.processor)
     # from here on the engine is closed whatever happens: an engine with its own copy of the
     # model (vLLM) must free it, since sweeps run their jobs in one process
+    scorer: TeacherScorer | None = None
     try:
+        if service:
+            scorer = _checked("teacher_scoring", _build_scorer, conf, pair)
+            log.info("teacher scoring: %s (the trainer holds no teacher weights)",
+                     conf.teacher_scoring.backend)
         module = OPDModule(
-            student=pair.student, teacher=pair.teacher, tokenizer=pair.tokenizer,
+            student=pair.student, teacher=pair.teacher, teacher_scorer=scorer,
+            tokenizer=pair.tokenizer,
             token_filter=token_filter, objective=objective,
             reference=copy.deepcopy(pair.student) if "lp_ref" in objective.needs else None,
             optim=conf.optim, step=conf.step, total_steps=conf.steps,
@@ -164,7 +188,11 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
             trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
         except NonFiniteError as err:
             raise UserError(str(err)) from None
+        except TeacherServiceError as err:  # a teacher server failed mid-run: say which
+            raise UserError(f"teacher_scoring: {err}") from None
     finally:
+        if scorer is not None:
+            scorer.close()
         close = getattr(engine, "close", None)
         if callable(close):
             close()
@@ -177,6 +205,34 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
     if trainer.is_global_zero:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _build_scorer(conf: TrainConfig, pair: ModelPair) -> TeacherScorer:
+    """The teacher-scoring service of ``conf.teacher_scoring`` (``vllm`` | ``vllm_server``)."""
+    ts = conf.teacher_scoring
+    if ts.backend == "vllm_server":
+        return VLLMServerTeacherScorer(
+            ts.urls, tokenizer=pair.teacher_tokenizer, model=ts.model, top_k=ts.top_k,
+            request_timeout=ts.request_timeout, startup_timeout=ts.startup_timeout,
+            max_concurrent_requests=ts.max_concurrent_requests)
+    rollout_in_process = conf.rollout.engine == "vllm" and bool(
+        getattr(conf.rollout, "in_process", False))
+    if ts.in_process and rollout_in_process:
+        raise ValueError("teacher_scoring.in_process=true with an in-process rollout=vllm: two "
+                         "vLLM engine cores cannot share the training process; set "
+                         "teacher_scoring.in_process=false (the default)")
+    processes = max(conf.trainer.devices if isinstance(conf.trainer.devices, int) else 1, 1) \
+        * max(conf.trainer.num_nodes, 1)
+    assert pair.teacher_source is not None
+    return VLLMTeacherScorer(
+        pair.teacher_source, top_k=ts.top_k,
+        dtype=conf.teacher.dtype if ts.dtype == "auto" else ts.dtype,
+        max_model_len=ts.max_model_len, gpu_memory_utilization=ts.gpu_memory_utilization,
+        kv_cache_gb=ts.kv_cache_gb, enforce_eager=ts.enforce_eager,
+        tensor_parallel_size=ts.tensor_parallel_size, in_process=ts.in_process,
+        devices=ts.devices, clean_environment=processes > 1, processor=pair.processor,
+        max_images_per_prompt=ts.max_images_per_prompt, seed=conf.seed,
+        owned_dir=pair.teacher_source_owned)
 
 
 def _checked(what: str, build: Callable[..., T], *args: Any, **kwargs: Any) -> T:

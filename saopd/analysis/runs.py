@@ -291,7 +291,16 @@ NOT_HYPERPARAMETER_PREFIXES = (
     "trainer.checkpoint_every_n_steps", "trainer.keep_all_checkpoints",
     # where and on how many devices a step runs: the data-parallel step equals one process's
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
-    "trainer.process_group_backend", "trainer.activation_checkpointing")
+    "trainer.process_group_backend", "trainer.activation_checkpointing",
+    # where the teacher is scored: every backend gives the same log-probs (docs/teacher_scoring.md);
+    # teacher_scoring.top_k (an approximation) and teacher_scoring.dtype do change them
+    "teacher_scoring.backend", "teacher_scoring.urls", "teacher_scoring.model",
+    "teacher_scoring.max_model_len", "teacher_scoring.gpu_memory_utilization",
+    "teacher_scoring.kv_cache_gb", "teacher_scoring.enforce_eager",
+    "teacher_scoring.tensor_parallel_size", "teacher_scoring.in_process",
+    "teacher_scoring.devices", "teacher_scoring.model_dir",
+    "teacher_scoring.max_images_per_prompt", "teacher_scoring.startup_timeout",
+    "teacher_scoring.request_timeout", "teacher_scoring.max_concurrent_requests")
 
 
 def _short(column: str) -> str:

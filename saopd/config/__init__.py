@@ -16,6 +16,7 @@ from saopd.config.model import ModelConfig, PlantedConfig
 from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
 from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
+from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.config.train import ROLLOUT_SCHEMAS, TrainConfig, register_schema, to_train_config
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "PlantedConfig",
     "RolloutConfig",
     "StepConfig",
+    "TeacherScoringConfig",
     "TrainConfig",
     "TrainerConfig",
     "VLLMRolloutConfig",

@@ -16,6 +16,7 @@ from saopd.config.model import ModelConfig
 from saopd.config.rollout import RolloutConfig
 from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
+from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.validation import check_int
 
 __all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config", "unknown_keys"]
@@ -57,6 +58,9 @@ class TrainConfig:
             :mod:`saopd.filters` / :mod:`saopd.objectives`, which know each variant's fields.
         rollout: the rollout engine's config, typed by the engine's own dataclass
             (:mod:`saopd.config.rollout`; the YAML's defaults list picks it).
+        teacher_scoring: where the teacher's log-probs come from (``conf/teacher_scoring``:
+            ``hf`` in the trainer, ``vllm`` / ``vllm_server`` on vLLM;
+            :class:`~saopd.config.teacher_scoring.TeacherScoringConfig`).
         data, trainer, logger, optim, step, eval, paths: see their dataclasses.
     """
 
@@ -65,6 +69,7 @@ class TrainConfig:
     filter: dict[str, Any] = MISSING
     objective: dict[str, Any] = MISSING
     rollout: Any = MISSING  # one of the RolloutConfig subclasses (conf/rollout/<engine>.yaml)
+    teacher_scoring: TeacherScoringConfig = field(default_factory=TeacherScoringConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -40,6 +40,7 @@ from saopd.models.sharding import (
 from saopd.objectives import Objective, aggregate
 from saopd.rollout.base import RolloutBatch
 from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
+from saopd.scoring.teacher_service import TeacherScorer
 from saopd.signals import TokenSignals
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class OPDModule(L.LightningModule):
         contexts: how the step's contexts are built (:func:`saopd.contexts.context_builder`:
             text or vision-language, chosen once); None = :class:`~saopd.contexts.TextContexts`
             on ``tokenizer`` with no extra template variables.
+        teacher_scorer: a teacher-scoring service (:mod:`saopd.scoring.teacher_service`,
+            ``teacher_scoring=vllm|vllm_server``) instead of the teacher module (``teacher``
+            None then): the step's teacher contexts are sent as soon as they are built and the
+            student's passes run while the teacher scores.
 
     Data parallelism (DDP, FSDP): each rank holds its share of the step's rollouts; the filter
     runs on the gathered global batch (:func:`~saopd.filters.distributed.batch_global_filter`)
@@ -78,19 +83,24 @@ class OPDModule(L.LightningModule):
     takes on the concatenated batch.
     """
 
-    def __init__(self, *, student: nn.Module, teacher: nn.Module,
+    def __init__(self, *, student: nn.Module, teacher: nn.Module | None,
                  tokenizer: PreTrainedTokenizerBase, token_filter: TokenFilter,
                  objective: Objective, reference: nn.Module | None = None,
                  optim: OptimConfig | None = None, step: StepConfig | None = None,
                  total_steps: int = 1, vocab_size: int | None = None,
                  activation_checkpointing: bool = False,
                  fsdp_mixed_precision: str | None = None,
-                 contexts: ContextBuilder | None = None) -> None:
+                 contexts: ContextBuilder | None = None,
+                 teacher_scorer: TeacherScorer | None = None) -> None:
         super().__init__()
+        if (teacher is None) == (teacher_scorer is None):
+            raise ValueError("OPDModule needs either the teacher module (teacher_scoring=hf) or "
+                             "a teacher-scoring service (teacher_scorer), not both or neither")
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the student only (see on_save_checkpoint)
         self.student = student
         self.teacher = teacher
+        self.teacher_scorer = teacher_scorer
         self.reference = reference
         for frozen in (teacher, reference):
             if frozen is not None:
@@ -188,8 +198,13 @@ class OPDModule(L.LightningModule):
         lp_sampler = rollouts.sampler_logprobs(length)
         lp_sampler = None if lp_sampler is None else lp_sampler.to(self.device)
         kw = {"vocab_size": self.vocab_size, "chunk_size": self.step_cfg.chunk_size}
+        pending = None
+        if self.teacher_scorer is not None:  # in flight while the student's passes run
+            pending = self.teacher_scorer.submit(ctx, self.needs,
+                                                 messages=rollouts.row_messages())
         frozen = score_frozen(ctx, student=self.student, teacher=self.teacher,
-                              reference=self.reference, needs=self.needs, **kw)
+                              reference=self.reference, needs=self.needs,
+                              teacher_scores=pending, **kw)
         generator = torch.Generator(device="cpu").manual_seed(
             self.step_cfg.seed * 1_000_003 + self.global_step)
 
@@ -235,14 +250,16 @@ class OPDModule(L.LightningModule):
         lr_used = scheduler.get_last_lr()[0]  # the rate of this step, before the schedule moves
         scheduler.step()
 
-        self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started, lr_used)
+        self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started, lr_used,
+                       teacher_wait=frozen.teacher_wait if pending is not None else None)
         self._keep_view(rollouts, ctx, signals, result)
         return loss.detach()
 
     # ---- logging ------------------------------------------------------------------------------
     def _log_step(self, loss: torch.Tensor, signals: TokenSignals, result: FilterResult,
                   objective_metrics: dict[str, torch.Tensor], rollouts: RolloutBatch,
-                  ctx: PairedContextBatch, started: float, lr: float) -> None:
+                  ctx: PairedContextBatch, started: float, lr: float,
+                  teacher_wait: float | None = None) -> None:
         m = self.metrics
         lengths = ctx.response_mask.sum(-1).float()
         values: dict[str, torch.Tensor] = {
@@ -261,6 +278,8 @@ class OPDModule(L.LightningModule):
             if key != "kl_sampled":
                 values[key] = value
         values["lr"] = torch.tensor(lr)
+        if teacher_wait is not None:  # seconds the step waited for the teacher service
+            values["teacher_wait"] = m.step("teacher_wait", teacher_wait)
         values["step_time"] = m.step("step_time", time.perf_counter() - started)
         bar = {"loss", "flmr"}
         # loss and the filter's statistics are already global; the rest are averaged over ranks

@@ -3,12 +3,17 @@ entry (``conf/model/*.yaml``)."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
-from saopd.models.loading import load_causal_lm, load_tokenizer
+from saopd.models.loading import load_causal_lm, load_tokenizer, resolve_source
 from saopd.models.pruning import prune_layers
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
@@ -17,6 +22,7 @@ from saopd.models.vlm import (
     check_same_processor,
     load_vlm,
     load_vlm_processor,
+    save_processor_for_vllm,
 )
 from saopd.models.vocab import VocabularyReport, check_vocabularies
 from saopd.registry import Registry
@@ -108,11 +114,16 @@ class ModelPair:
     """
 
     student: PreTrainedModel
-    teacher: PreTrainedModel
+    teacher: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase
     teacher_tokenizer: PreTrainedTokenizerBase
     processor: Any | None
     vocab: VocabularyReport
+    #: with a teacher-scoring service (:func:`build_student_for_service`): the teacher's model
+    #: folder or hub id for vLLM (None when not asked for), and whether it is a temporary
+    #: folder written here (the service removes it)
+    teacher_source: str | None = None
+    teacher_source_owned: bool = False
 
 
 def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
@@ -147,3 +158,131 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
             f"(this pair: {vocab.describe()}); teacher-own contexts are built for text pairs "
             "only")
     return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab)
+
+
+def _servable_as_is(cfg: ModelConfig) -> bool:
+    """Whether the teacher's weights can be served from where they are (an HF folder or hub id,
+    unchanged): no tiny model, pruning, GGUF file or planted wrapper."""
+    if cfg.tiny is not None or cfg.prune_every is not None or cfg.prune_keep is not None:
+        return False
+    assert cfg.name_or_path is not None
+    return not str(cfg.name_or_path).lower().endswith(".gguf")
+
+
+def vllm_model_folder(location: str, parent: str | Path | None = None) -> tuple[str, bool]:
+    """``(folder, owned)``: ``location`` as vLLM should load it. vLLM reads every
+    ``*.safetensors`` file of a folder as weights, so a folder holding other safetensors files
+    beside the model's (saopd's converted SmolLM2 keeps ``saopd_reference.safetensors``) is
+    served through a new folder of links to everything but those (``owned``: remove it after
+    use); anything else (a clean folder, a hub id) is returned as it is."""
+    folder = Path(location)
+    if not folder.is_dir():
+        return location, False
+    extra = [f for f in folder.glob("*.safetensors") if not f.name.startswith("model")]
+    if not extra:
+        return location, False
+    base = Path(parent) if parent is not None else (
+        Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    view = Path(tempfile.mkdtemp(prefix="saopd-teacher-view-", dir=base))
+    atexit.register(shutil.rmtree, view, True)
+    for item in folder.iterdir():
+        if item not in extra:
+            (view / item.name).symlink_to(item.resolve())
+    return str(view), True
+
+
+def _auto_config(location: str, cfg: ModelConfig) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(location, trust_remote_code=cfg.trust_remote_code,
+                                      revision=cfg.revision)
+
+
+def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
+                              chat_template_kwargs: Mapping[str, Any] | None = None,
+                              teacher_folder: bool = True,
+                              folder_parent: str | Path | None = None) -> ModelPair:
+    """The student and the teacher's tokenizer (processor) and config, checked as
+    :func:`build_pair` checks a pair, without the teacher's weights: for a teacher-scoring
+    service (``teacher_scoring=vllm|vllm_server``) that scores the teacher elsewhere.
+
+    ``teacher_folder``: also give the folder (or hub id) a vLLM engine of the teacher loads
+    (``ModelPair.teacher_source``). An HF folder or hub id is used where it is: its weights are
+    never loaded here. A teacher that exists only once built (tiny, pruned, GGUF) is built once,
+    saved with its tokenizer (processor) to a new folder under ``folder_parent`` (None = a
+    temporary folder, in ``/dev/shm`` when the machine has it) and dropped
+    (``teacher_source_owned``). A planted-prior teacher is refused: its logit hook exists only in
+    saopd's module. ``ValueError`` as :func:`build_pair`.
+    """
+    if teacher_cfg.planted is not None:
+        raise ValueError("a planted-prior teacher (model.planted) changes its logits in saopd's "
+                         "module, which a vLLM teacher service cannot run: use "
+                         "teacher_scoring=hf")
+    if student_cfg.is_vision != teacher_cfg.is_vision:
+        raise ValueError("student and teacher must both be vision-language models or both text "
+                         f"models (student vision: {student_cfg.is_vision}, teacher vision: "
+                         f"{teacher_cfg.is_vision})")
+    processor = teacher_processor = None
+    source, owned = None, False
+    if _servable_as_is(teacher_cfg):
+        assert teacher_cfg.name_or_path is not None
+        location = resolve_source(teacher_cfg.name_or_path, None, kind="model").location
+        config = _auto_config(location, teacher_cfg)
+        if teacher_cfg.is_vision:
+            teacher_processor = load_vlm_processor(
+                teacher_cfg.name_or_path, trust_remote_code=teacher_cfg.trust_remote_code,
+                revision=teacher_cfg.revision, min_pixels=teacher_cfg.min_pixels,
+                max_pixels=teacher_cfg.max_pixels)
+            teacher_tok = teacher_processor.tokenizer
+        else:
+            teacher_tok = load_tokenizer(teacher_cfg.name_or_path,
+                                         trust_remote_code=teacher_cfg.trust_remote_code,
+                                         revision=teacher_cfg.revision)
+        if teacher_folder:
+            source, owned = vllm_model_folder(location, folder_parent)
+    else:  # built in memory: saved once for the service, then dropped
+        if teacher_cfg.is_vision:
+            model, teacher_processor = build_vlm(teacher_cfg)
+            teacher_tok = teacher_processor.tokenizer
+        else:
+            model, teacher_tok = build_model(teacher_cfg)
+        config = model.config
+        if teacher_folder:
+            parent = Path(folder_parent) if folder_parent is not None else (
+                Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix="saopd-teacher-", dir=parent))
+            atexit.register(shutil.rmtree, folder, True)  # gone at exit whatever happens
+            try:
+                model.save_pretrained(folder, safe_serialization=True)
+                if teacher_processor is not None:
+                    save_processor_for_vllm(teacher_processor, folder, config.model_type)
+                else:
+                    teacher_tok.save_pretrained(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            source, owned = str(folder), True
+        del model
+    if student_cfg.is_vision:
+        student, processor = build_vlm(student_cfg)
+        assert teacher_processor is not None
+        check_same_processor(processor, teacher_processor,
+                             chat_template_kwargs=chat_template_kwargs)
+        tokenizer = processor.tokenizer
+    else:
+        student, tokenizer = build_model(student_cfg)
+    # the teacher's head width from its config (no weights here)
+    vocab = check_vocabularies(tokenizer, teacher_tok, student, SimpleNamespace(config=config))
+    if processor is not None and vocab.teacher_contexts:
+        if owned and source is not None:
+            shutil.rmtree(source, ignore_errors=True)
+        raise ValueError(
+            "a vision-language teacher must share the student's tokenizer and chat template "
+            f"(this pair: {vocab.describe()}); teacher-own contexts are built for text pairs "
+            "only")
+    return ModelPair(student, None, tokenizer, teacher_tok, processor, vocab,
+                     teacher_source=source, teacher_source_owned=owned)

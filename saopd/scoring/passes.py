@@ -12,6 +12,11 @@ reference, full       no         ExOPD (lpRef)
 student, full         yes        always (lpS; H_S, exact KL, top-k lists when asked)
 ====================  =========  ===============================================
 
+With a teacher-scoring service (``teacher_scoring=vllm|vllm_server``,
+:mod:`saopd.scoring.teacher_service`) the teacher's passes run elsewhere: :func:`score_frozen`
+takes its pending :class:`TeacherScores` and :func:`score_student` waits for them after the
+student's pass.
+
 Each pass runs the model's backbone once over its context, keeps the hidden states only at the
 response positions (``gather_index``), and hands them with the LM-head weight to
 :func:`saopd.signals.score_tokens`, which computes log-probs/entropies/KL in chunks: no
@@ -21,6 +26,7 @@ or scaling) fall back to their full logits, gathered at the response positions.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -168,24 +174,83 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
 
 
 @dataclass
-class FrozenScores:
-    """Everything one step needs from the models that carry no gradient ([B, R] each)."""
+class TeacherScores:
+    """The teacher's scores of a step's responses, in the ``[B, R]`` layout of the batch (what a
+    teacher-scoring backend returns; :mod:`saopd.scoring.teacher_service`).
+
+    ``topk_ids`` / ``topk_logprobs`` ``[B, R, K]``: the teacher's top-K ids and log-probs at
+    every response position (a service's ``teacher_scoring.top_k``), largest first.
+    """
 
     lp_teacher: torch.Tensor
+    lp_teacher_res: torch.Tensor | None = None
+    entropy_teacher: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> TeacherScores:
+        return TeacherScores(**{k: None if getattr(self, k) is None else getattr(self, k).to(device)
+                                for k in self.__dataclass_fields__})
+
+
+@runtime_checkable
+class PendingTeacherScores(Protocol):
+    """Teacher scores on their way (a request in flight): ``result()`` waits for them."""
+
+    def result(self) -> TeacherScores:
+        """The scores (blocks until they are there); raises what the scoring raised."""
+        ...
+
+
+@dataclass
+class FrozenScores:
+    """Everything one step needs from the models that carry no gradient ([B, R] each).
+
+    With a teacher-scoring service the teacher's fields may still be on their way
+    (``pending``): :meth:`resolve` waits for them and fills them in (``teacher_wait``: the
+    seconds it waited); :func:`score_student` calls it after the student's pass.
+    """
+
+    lp_teacher: torch.Tensor | None
     entropy_teacher: torch.Tensor | None
     lp_teacher_res: torch.Tensor | None
     lp_student_res: torch.Tensor | None
     lp_ref: torch.Tensor | None
     teacher_head: LogitSource | None  # kept only for the exact KL
+    teacher_topk_ids: torch.Tensor | None = None  # [B, R, K] from a service's top-k
+    teacher_topk_logprobs: torch.Tensor | None = None
+    pending: PendingTeacherScores | None = None
+    device: torch.device | None = None
+    teacher_wait: float = 0.0
+
+    def resolve(self) -> FrozenScores:
+        """Wait for pending teacher scores (if any), fill them in; returns ``self``."""
+        if self.pending is None:
+            return self
+        started = time.perf_counter()
+        scores = self.pending.result()
+        self.teacher_wait += time.perf_counter() - started
+        if self.device is not None:
+            scores = scores.to(self.device)
+        self.pending = None
+        self.lp_teacher = scores.lp_teacher
+        self.lp_teacher_res = scores.lp_teacher_res
+        self.entropy_teacher = scores.entropy_teacher
+        self.teacher_topk_ids = scores.topk_ids
+        self.teacher_topk_logprobs = scores.topk_logprobs
+        return self
 
     def rows(self, rows: slice) -> FrozenScores:
         """The scores of batch rows ``rows`` (a micro-batch), the teacher's head included."""
+        self.resolve()
         head = None if self.teacher_head is None else _rows_of(self.teacher_head, rows)
         return FrozenScores(
-            lp_teacher=self.lp_teacher[rows], entropy_teacher=_rows(self.entropy_teacher, rows),
+            lp_teacher=_rows(self.lp_teacher, rows),
+            entropy_teacher=_rows(self.entropy_teacher, rows),
             lp_teacher_res=_rows(self.lp_teacher_res, rows),
             lp_student_res=_rows(self.lp_student_res, rows), lp_ref=_rows(self.lp_ref, rows),
-            teacher_head=head)
+            teacher_head=head, teacher_topk_ids=_rows(self.teacher_topk_ids, rows),
+            teacher_topk_logprobs=_rows(self.teacher_topk_logprobs, rows))
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -237,31 +302,18 @@ def _stackable(batch: PairedContextBatch, max_padding: float) -> bool:
 
 
 @torch.no_grad()
-def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.Module,
-                 reference: nn.Module | None, needs: ScoringNeeds, vocab_size: int | None = None,
-                 chunk_size: int | None = None, stack_teacher: bool = False,
-                 stack_max_padding: float = 0.25) -> FrozenScores:
-    """Teacher full (+ residual), student residual and reference passes, all without grad.
+def score_teacher(batch: PairedContextBatch, teacher: nn.Module, *, needs: ScoringNeeds,
+                  vocab_size: int | None = None, chunk_size: int | None = None,
+                  stack_teacher: bool = False, stack_max_padding: float = 0.25
+                  ) -> tuple[TeacherScores, LogitSource]:
+    """The teacher's full (+ residual) passes over ``batch.teacher_view``, in this process.
 
-    The teacher scores ``batch.teacher_view``: its own contexts (chat template, mapped response
-    ids) when the batch carries them, else the student's; its log-probs are of the same
-    response tokens, in the same ``[B, R]`` layout. With the exact KL over the vocabulary
-    (``needs.kl``), ids the pair's tokenizers name differently (renamed special tokens) are
-    compared id by id.
-
-    ``stack_teacher``: when the residual pass runs, score the teacher's full and residual
-    contexts in one forward over the 2B rows (:func:`stack_contexts`) instead of two, if the
-    residual rows need at most ``stack_max_padding`` x the longer length in padding (text,
-    right-padded batches only; otherwise two passes). The log-probs are the same up to float
-    rounding of the larger matrix products (``docs/benchmarks.md``: about 1e-5 and ~15-20% less
-    teacher time on 2 CPU cores).
+    Returns the scores and the full pass's logit source (the teacher's head for the exact KL
+    and top-k lists). See :func:`score_frozen` for ``stack_teacher``.
     """
-    targets = batch.response_ids
-    # the teacher's contexts: its own template and mapped response ids when it has them
-    # (batch.teacher), else the student's; gathered at the same [B, R] response tokens
     tb = batch.teacher_view
     t_targets = tb.response_ids
-    lp_t_res = lp_s_res = lp_ref = None
+    lp_t_res = None
     if needs.residual and stack_teacher and _stackable(tb, stack_max_padding):
         rows = t_targets.shape[0]
         both = response_source(teacher, stack_contexts(tb.full, tb.residual),
@@ -279,6 +331,52 @@ def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.M
             lp_t_res = score_tokens(
                 response_source(teacher, tb.residual, vocab_size=vocab_size), t_targets,
                 chunk_size=chunk_size).logprobs
+    return TeacherScores(lp_teacher=lp_teacher, lp_teacher_res=lp_t_res,
+                         entropy_teacher=entropy), t_src
+
+
+@torch.no_grad()
+def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.Module | None,
+                 reference: nn.Module | None, needs: ScoringNeeds, vocab_size: int | None = None,
+                 chunk_size: int | None = None, stack_teacher: bool = False,
+                 stack_max_padding: float = 0.25,
+                 teacher_scores: PendingTeacherScores | TeacherScores | None = None
+                 ) -> FrozenScores:
+    """Teacher full (+ residual), student residual and reference passes, all without grad.
+
+    The teacher scores ``batch.teacher_view``: its own contexts (chat template, mapped response
+    ids) when the batch carries them, else the student's; its log-probs are of the same
+    response tokens, in the same ``[B, R]`` layout. With the exact KL over the vocabulary
+    (``needs.kl``), ids the pair's tokenizers name differently (renamed special tokens) are
+    compared id by id.
+
+    ``stack_teacher``: when the residual pass runs, score the teacher's full and residual
+    contexts in one forward over the 2B rows (:func:`stack_contexts`) instead of two, if the
+    residual rows need at most ``stack_max_padding`` x the longer length in padding (text,
+    right-padded batches only; otherwise two passes). The log-probs are the same up to float
+    rounding of the larger matrix products (``docs/benchmarks.md``: about 1e-5 and ~15-20% less
+    teacher time on 2 CPU cores).
+
+    ``teacher_scores``: the teacher's scores from a teacher-scoring service
+    (:mod:`saopd.scoring.teacher_service`), done or still in flight; the teacher's passes are
+    then not run here (``teacher`` may be None) and the returned scores wait for the pending
+    ones only in :meth:`FrozenScores.resolve`, so the student's passes run meanwhile.
+    """
+    targets = batch.response_ids
+    lp_s_res = lp_ref = None
+    t_src = None
+    pending = None
+    if teacher_scores is None:
+        if teacher is None:
+            raise ValueError("score_frozen needs the teacher module or teacher_scores from a "
+                             "teacher-scoring service")
+        scores, t_src = score_teacher(batch, teacher, needs=needs, vocab_size=vocab_size,
+                                      chunk_size=chunk_size, stack_teacher=stack_teacher,
+                                      stack_max_padding=stack_max_padding)
+    elif isinstance(teacher_scores, TeacherScores):
+        scores = teacher_scores.to(targets.device)
+    else:
+        scores, pending = None, teacher_scores
     if needs.residual:
         lp_s_res = score_tokens(response_source(student, batch.residual, vocab_size=vocab_size),
                                 targets, chunk_size=chunk_size).logprobs
@@ -287,23 +385,57 @@ def score_frozen(batch: PairedContextBatch, *, student: nn.Module, teacher: nn.M
             raise ValueError("the objective needs lp_ref but no reference model was built")
         lp_ref = score_tokens(response_source(reference, batch.full, vocab_size=vocab_size),
                               targets, chunk_size=chunk_size).logprobs
+    if needs.teacher_head and t_src is None and not (
+            needs.teacher_top_k and not needs.kl and not needs.student_top_k):
+        raise ValueError("this step needs the teacher's head (exact KL or the student's top-k "
+                         "lists), which a teacher-scoring service does not give")
     return FrozenScores(
-        lp_teacher=lp_teacher, entropy_teacher=entropy, lp_teacher_res=lp_t_res,
+        lp_teacher=None if scores is None else scores.lp_teacher,
+        entropy_teacher=None if scores is None else scores.entropy_teacher,
+        lp_teacher_res=None if scores is None else scores.lp_teacher_res,
         lp_student_res=lp_s_res, lp_ref=lp_ref,
         teacher_head=t_src if needs.teacher_head else None,
+        teacher_topk_ids=None if scores is None else scores.topk_ids,
+        teacher_topk_logprobs=None if scores is None else scores.topk_logprobs,
+        pending=pending, device=targets.device,
     )
 
 
 def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: nn.Module,
                   needs: ScoringNeeds, lp_sampler: torch.Tensor | None = None,
                   vocab_size: int | None = None, chunk_size: int | None = None) -> TokenSignals:
-    """The student's full-context pass (with gradient when enabled) -> TokenSignals [B, R]."""
+    """The student's full-context pass (with gradient when enabled) -> TokenSignals [B, R].
+
+    Teacher scores still in flight (``frozen.pending``) are waited for after the student's
+    pass, unless the pass needs them (the student's log-probs at a service's teacher top-k ids).
+    """
+    service_topk = needs.teacher_top_k > 0 and frozen.teacher_head is None
+    if service_topk:
+        frozen.resolve()
+    gather_ids = None
+    if service_topk:
+        if frozen.teacher_topk_ids is None or frozen.teacher_topk_ids.shape[-1] < \
+                needs.teacher_top_k:
+            raise ValueError(f"the step needs the teacher's top-{needs.teacher_top_k} lists but "
+                             "the teacher-scoring service gave "
+                             + ("none" if frozen.teacher_topk_ids is None else
+                                f"top-{frozen.teacher_topk_ids.shape[-1]}"))
+        gather_ids = frozen.teacher_topk_ids[..., :needs.teacher_top_k]
     s_src = response_source(student, batch.full, vocab_size=vocab_size)
     s = score_tokens(s_src, batch.response_ids, teacher=frozen.teacher_head,
                      entropy=needs.student_entropy, kl=needs.kl, top_k=needs.student_top_k,
-                     teacher_top_k=needs.teacher_top_k, chunk_size=chunk_size)
+                     teacher_top_k=0 if service_topk else needs.teacher_top_k,
+                     gather_ids=gather_ids, chunk_size=chunk_size)
     if needs.sampler and lp_sampler is None:
         raise ValueError("the objective needs sampler log-probs but the rollout engine gave none")
+    frozen.resolve()
+    if service_topk:
+        assert frozen.teacher_topk_logprobs is not None and gather_ids is not None
+        teacher_topk_ids = gather_ids
+        teacher_topk_lp = frozen.teacher_topk_logprobs[..., :needs.teacher_top_k]
+    else:
+        teacher_topk_ids, teacher_topk_lp = s.teacher_topk_ids, s.teacher_topk_logprobs
+    assert frozen.lp_teacher is not None
     return TokenSignals(
         lp_student=s.logprobs,
         lp_teacher=frozen.lp_teacher,
@@ -315,8 +447,8 @@ def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: n
         lp_sampler=lp_sampler if needs.sampler else None,
         lp_ref=frozen.lp_ref,
         kl=s.kl,
-        teacher_topk_ids=s.teacher_topk_ids,
-        teacher_topk_lp_teacher=s.teacher_topk_logprobs,
+        teacher_topk_ids=teacher_topk_ids,
+        teacher_topk_lp_teacher=teacher_topk_lp,
         teacher_topk_lp_student=s.logprobs_at_ids,  # carries gradient (top-k KL objectives)
         student_topk_ids=s.topk_ids,
         student_topk_lp_student=None if s.topk_logprobs is None else s.topk_logprobs.detach(),

