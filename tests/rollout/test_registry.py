@@ -317,7 +317,8 @@ def test_build_engine_passes_every_hf_option(tiny_tok) -> None:
 def test_build_engine_names_the_registered_engines_on_a_miss() -> None:
     assert ENGINES.names() == ["hf", "vllm", "vllm_server"]
     # the engine is looked up before the student or tokenizer are touched
-    with pytest.raises(ValueError, match=r"unknown rollout engine 'sglang'; allowed: hf, vllm, vllm_server"):
+    with pytest.raises(ValueError,
+                       match=r"unknown rollout engine 'sglang'; allowed: hf, vllm, vllm_server"):
         build_engine(RolloutConfig(engine="sglang"), None, None)
 
 
