@@ -147,6 +147,11 @@ ENGINE_OPTIONS = tuple(f.name for f in fields(VLLMRolloutConfig)
                        if f.name not in {g.name for g in fields(RolloutConfig)} | {"model_dir"})
 
 
+class _StartupExpired(BaseException):
+    """Raised by the start-up deadline's signal handler: a ``BaseException``, so that vLLM's own
+    ``except Exception`` retries (e.g. around reading the model config) cannot swallow it."""
+
+
 @contextlib.contextmanager
 def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
     """Raise ``RuntimeError`` in this (main) thread if the block runs past ``seconds``
@@ -162,15 +167,17 @@ def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
     where = "" if local_rank is None else f" (local rank {local_rank})"
 
     def expired(signum: int, frame: Any) -> None:
-        raise RuntimeError(
-            f"the vLLM engine{where} did not start within rollout.startup_timeout = {seconds:g} "
-            "s; with several training processes see README, 'Rollouts with vLLM' (each rank's "
-            "engine needs its own device share and a clean start)")
+        raise _StartupExpired
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
+    except _StartupExpired:
+        raise RuntimeError(
+            f"the vLLM engine{where} did not start within rollout.startup_timeout = {seconds:g} "
+            "s; with several training processes see README, 'Rollouts with vLLM' (each rank's "
+            "engine needs its own device share and a clean start)") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
