@@ -43,6 +43,7 @@ from saopd.lightning.runs import (
     check_resume_config,
     find_resume,
     run_folder,
+    schema_defaults,
     training_config,
     write_training_config,
 )
@@ -102,7 +103,8 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     zero = _global_rank() == 0  # under DDP/FSDP every rank runs this function
     run_config = training_config(dataclasses.asdict(conf))
     changes = (_checked("resume", check_resume_config, out_dir, run_config,
-                        (*conf.resume_changes, "steps")) if ckpt is not None else {})
+                        (*conf.resume_changes, "steps"), schema_defaults(conf))
+               if ckpt is not None else {})
     lock = _checked("run", RunLock(out_dir).acquire) if zero else None  # one writer per run
     try:
         return _train(cfg, conf, token_filter, objective, ckpt, out_dir, run_config, changes,

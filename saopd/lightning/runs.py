@@ -19,6 +19,7 @@ config is the run's, that one process trains a run at a time, and a checkpoint o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -37,7 +38,7 @@ from saopd.lightning.checkpoints import verify_checkpoint
 
 __all__ = ["RESOLVED_CONFIG", "FiniteGuard", "NonFiniteError", "PreemptionCheckpoint",
            "RunBusyError", "RunLock", "check_resume_config", "find_resume", "run_folder",
-           "training_config", "write_training_config"]
+           "schema_defaults", "training_config", "write_training_config"]
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +102,50 @@ def training_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
             if k in ("seed", "step.seed") or is_hyperparameter(f"params.{k}")}
 
 
+def schema_defaults(conf: Any) -> dict[str, str]:
+    """``{dotted key: default as JSON text}`` of every field of the validated config ``conf``
+    (a dataclass, walked through its dataclass-typed fields: each group by its own class, so
+    ``rollout.*`` by the engine's), encoded as :func:`training_config` encodes values. Fields
+    without a default, and the keys of plain mappings (filter, objective), are left out."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                walk(value, f"{prefix}{f.name}.")
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                continue
+            if dataclasses.is_dataclass(default) or isinstance(default, Mapping):
+                continue
+            out[prefix + f.name] = json.dumps(default, sort_keys=True, default=str)
+
+    walk(conf, "")
+    return out
+
+
 def write_training_config(run: Path, config: Mapping[str, str]) -> None:
     """Record the run's training config (:data:`RESOLVED_CONFIG`), atomically."""
     write_json_atomic(run / RESOLVED_CONFIG, dict(config))
 
 
 def check_resume_config(run: Path, config: Mapping[str, str],
-                        allowed: tuple[str, ...] = ()) -> dict[str, tuple[str, str]]:
+                        allowed: tuple[str, ...] = (),
+                        defaults: Mapping[str, str] | None = None
+                        ) -> dict[str, tuple[str, str]]:
     """Refuse a resume whose training config differs from the run's.
 
     Returns the differences that ``allowed`` (``resume_changes``) permits, ``{key: (run's,
     now)}``, to be recorded. Raises ``ValueError`` naming every other differing key with both
     values. A run folder without a recorded config (written before the check existed) is
-    resumed with a warning.
+    resumed with a warning. A key the run did not record (a setting added to saopd after the
+    run started) is no difference when it is now at its default (``defaults``:
+    :func:`schema_defaults`), which is how the run trained.
     """
     path = run / RESOLVED_CONFIG
     if not path.is_file():
@@ -121,6 +153,12 @@ def check_resume_config(run: Path, config: Mapping[str, str],
                     RESOLVED_CONFIG)
         return {}
     before = json.loads(path.read_text())
+    defaults = defaults or {}
+    newer = [k for k in config if k not in before and defaults.get(k) == config[k]]
+    if newer:
+        log.info("resume: %s has no record of %s (settings added since the run started); "
+                 "they are at their defaults now", run, ", ".join(newer))
+    before = {**before, **{k: config[k] for k in newer}}
     keys = sorted(set(before) | set(config))
     diff = {k: (before.get(k, "<absent>"), config.get(k, "<absent>")) for k in keys
             if before.get(k) != config.get(k)}

@@ -3,6 +3,7 @@ run's own folder, one process at a time (issue 15, points 1, 6, 10, 13)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from saopd.lightning.runs import (
     RunLock,
     check_resume_config,
     run_folder,
+    schema_defaults,
     training_config,
     write_training_config,
 )
@@ -49,6 +51,31 @@ def test_a_resume_with_another_method_or_lr_is_refused_naming_the_keys(tmp_path:
         "optim.lr": ("0.001", "0.5")}
     with pytest.raises(ValueError, match="seed"):
         check_resume_config(run, dict(before, seed="1"), allowed=("optim.lr",))
+
+
+def test_a_setting_added_since_the_run_started_does_not_block_its_resume(tmp_path: Path,
+                                                                        make_cfg) -> None:
+    """A run recorded before a setting existed trained as that setting's default does: resuming
+    it with the setting at its default is no change; at another value it is refused."""
+    from saopd.config import to_train_config
+
+    conf = to_train_config(make_cfg("experiment=tiny", "rollout=vllm", mlflow=False))
+    defaults = schema_defaults(conf)
+    assert defaults["rollout.async_steps"] == "0"  # the engine's own schema, not the base's
+    assert defaults["rollout.startup_timeout"] == "600.0"
+    assert "filter.p1" not in defaults  # plain mappings have no schema default
+    now = training_config(dataclasses.asdict(conf))
+    run = tmp_path / "run"
+    run.mkdir()
+    old = {k: v for k, v in now.items()
+           if k not in ("rollout.async_steps", "rollout.startup_timeout")}
+    write_training_config(run, old)
+    with pytest.raises(ValueError, match=r"rollout\.async_steps: <absent> -> 0"):
+        check_resume_config(run, now)  # without the defaults: as before
+    assert check_resume_config(run, now, defaults=defaults) == {}
+    changed = dict(now, **{"rollout.startup_timeout": "30.0"})
+    with pytest.raises(ValueError, match=r"rollout.startup_timeout: <absent> -> 30.0"):
+        check_resume_config(run, changed, defaults=defaults)
 
 
 def test_a_resumed_copy_elsewhere_writes_to_its_own_job_folder(tmp_path: Path) -> None:

@@ -366,7 +366,8 @@ def test_a_server_that_goes_down_or_hangs_is_named(fake, engine) -> None:
     assert time.monotonic() - started < 3
     fake.stop()
     with pytest.raises(RolloutServerError, match=rf"rollout server {fake.url}: POST "
-                       r"/collective_rpc failed \(ConnectionRefusedError.*is the rollout server running"):
+                       r"/collective_rpc failed \(ConnectionRefusedError.*is the rollout server "
+                       r"running"):
         engine.generate(CHATS[:1], SamplingParams(max_new_tokens=4))
 
 
