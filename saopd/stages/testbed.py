@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from saopd.eval.habits import HABIT_PLACES, Habit, habits_from_task
 from saopd.io import staged_folder, write_json_atomic, write_jsonl_atomic
 from saopd.stages.common import STAGES, PrepareError, param_section, require_param, resolve_path
 
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "HABIT_PLACES",
-    "Habit",
     "Problem",
     "build_example_ids",
     "corrupt_one_digit",
@@ -68,31 +67,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Where a habit phrase goes: before the solution, or after the answer line.
-HABIT_PLACES = ("start", "end")
-
-
-@dataclass(frozen=True)
-class Habit:
-    """A planted phrase written with a fixed probability whatever the input.
-
-    Attributes:
-        name: the habit's name (metric ``eval/arith/phrase_<name>``).
-        text: the phrase exactly as written (``start``: followed by a newline; ``end``: preceded
-            by one).
-        place: ``start`` or ``end`` (:data:`HABIT_PLACES`).
-    """
-
-    name: str
-    text: str
-    place: str
-
-    @property
-    def written(self) -> str:
-        """The phrase as it appears in a response, with its newline."""
-        return self.text + "\n" if self.place == "start" else "\n" + self.text
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -371,7 +345,7 @@ def _read_task(data_dir: Path, where: str) -> tuple[dict[str, Any], list[Habit],
         if not path.is_file():
             raise PrepareError(f"{where}: {path} is missing; run `dvc repro testbed_data` first")
     spec = json.loads(task_path.read_text(encoding="utf-8"))
-    habits = [Habit(h["name"], h["text"], h["place"]) for h in spec["habits"]]
+    habits = habits_from_task(spec)
     keys = set()
     with open(test_path, encoding="utf-8") as fh:
         for line in fh:

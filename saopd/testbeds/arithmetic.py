@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from saopd.eval.habits import Habit, habits_from_task
+
 __all__ = [
     "SOURCES",
-    "HabitSpec",
     "SourceCounts",
     "load_habits",
     "read_token_records",
@@ -44,29 +45,12 @@ SOURCES = ("habit", "slot", "grounded")
 _ANSWER_END = re.compile(r"\\boxed\{[^{}]*\}\.")
 
 
-@dataclass(frozen=True)
-class HabitSpec:
-    """One planted habit as ``task.json`` lists it: ``name``, ``text``, ``place``
-    (``start``: the phrase then a newline begins the response; ``end``: a newline then the
-    phrase follows the answer line)."""
-
-    name: str
-    text: str
-    place: str
-
-    @property
-    def written(self) -> str:
-        """The phrase as it appears in a response."""
-        return self.text + "\n" if self.place == "start" else "\n" + self.text
-
-
-def load_habits(task_json: str | Path) -> list[HabitSpec]:
+def load_habits(task_json: str | Path) -> list[Habit]:
     """The habits of a testbed's ``task.json`` (written by ``dvc repro testbed_data``)."""
-    spec = json.loads(Path(task_json).read_text(encoding="utf-8"))
-    return [HabitSpec(h["name"], h["text"], h["place"]) for h in spec["habits"]]
+    return habits_from_task(json.loads(Path(task_json).read_text(encoding="utf-8")))
 
 
-def token_sources(tokens: Sequence[str], habits: Sequence[HabitSpec]) -> list[str]:
+def token_sources(tokens: Sequence[str], habits: Sequence[Habit]) -> list[str]:
     """The source (:data:`SOURCES`) of each token of one response, from the tokens' texts.
 
     A token overlapping a habit phrase's characters is ``habit``; the decision slots of habits
@@ -153,7 +137,7 @@ class SourceCounts:
         return out
 
 
-def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[HabitSpec]
+def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[Habit]
                         ) -> SourceCounts:
     """Counts by source over token-record responses (``tokens``, ``a_full``, ``a_res``,
     ``filtered``)."""

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from saopd.eval.grading import grade_exact_phrases
+from saopd.eval.habits import Habit
 from saopd.stages.testbed import (
-    Habit,
     Problem,
     make_problems,
     prepare_testbed_data,
@@ -23,7 +23,6 @@ from saopd.stages.testbed import (
     train_testbed_teacher,
 )
 from saopd.testbeds.arithmetic import (
-    HabitSpec,
     load_habits,
     read_token_records,
     selection_by_source,
@@ -31,8 +30,8 @@ from saopd.testbeds.arithmetic import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-HABITS = [HabitSpec("preamble", "Let us think step by step.", "start"),
-          HabitSpec("signoff", "So we check the final result.", "end")]
+HABITS = [Habit("preamble", "Let us think step by step.", "start"),
+          Habit("signoff", "So we check the final result.", "end")]
 
 
 def test_solution_is_the_column_sum_with_carries() -> None:
@@ -43,7 +42,7 @@ def test_solution_is_the_column_sum_with_carries() -> None:
 
 
 def test_habits_follow_the_rate_and_not_the_input() -> None:
-    habits = [Habit(h.name, h.text, h.place) for h in HABITS]
+    habits = HABITS
     rng = random.Random(0)
     used = [render_response(p, habits, 0.5, rng)[1]
             for p in make_problems(400, max_digits=3, seed=0)]
