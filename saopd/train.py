@@ -200,9 +200,11 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
             close()
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    evals = next((cb.results for cb in trainer.callbacks if isinstance(cb, EvalCallback)), {})
     summary = {"output_dir": str(out_dir), "steps": trainer.global_step, **run_info,
                "last_checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
                "metrics": metrics, "data": data_counts,
+               "eval": {str(step): evals[step] for step in sorted(evals)},
                "seconds": round(time.perf_counter() - started, 1)}
     if trainer.is_global_zero:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -285,7 +287,8 @@ def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
     sampling = SamplingParams(n=conf.eval.k, temperature=conf.eval.temperature,
                               top_p=conf.eval.top_p, max_new_tokens=conf.eval.max_new_tokens,
                               seed=conf.seed)
-    return EvalCallback(conf.eval.every_n_steps, problems, sampling, out_dir)
+    return EvalCallback(conf.eval.every_n_steps, problems, sampling, out_dir,
+                        at_start=conf.eval.at_start)
 
 
 def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
@@ -423,7 +426,31 @@ def _format_summary(summary: dict[str, Any]) -> str:
              "train/response_length", "train/step_time")
     lines.append("  last step:   " + ", ".join(
         f"{k.split('/')[-1]}={m[k]:.4g}" for k in shown if k in m))
+    lines += _format_evals(summary.get("eval", {}))
     return "\n".join(lines)
+
+
+def _format_evals(evals: dict[str, dict[str, float]]) -> list[str]:
+    """``held-out:`` lines: each metric of the first and the last evaluation of the run (by step
+    index; -1 = before the first step), e.g. ``arith avg_at_1 0.390 -> 0.480``."""
+    if not evals:
+        return []
+    steps = sorted(evals, key=int)
+    first, last = steps[0], steps[-1]
+
+    def when(step: str) -> str:
+        return "before training" if int(step) < 0 else f"after step {int(step) + 1}"
+
+    if first == last:
+        head = f"  held-out ({when(last)}):"
+        return [head] + [f"    {k.removeprefix('eval/')} = {v:.4g}"
+                         for k, v in evals[last].items()]
+    lines = [f"  held-out ({when(first)} -> {when(last)}):"]
+    for key, value in evals[last].items():
+        before = evals[first].get(key)
+        shown = "-" if before is None else f"{before:.4g}"
+        lines.append(f"    {key.removeprefix('eval/')}: {shown} -> {value:.4g}")
+    return lines
 
 
 if __name__ == "__main__":

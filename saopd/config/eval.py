@@ -19,7 +19,9 @@ class EvalDuringTrainingConfig:
     """Evaluation of the live student every N steps (same code as ``saopd-eval``).
 
     Attributes:
-        every_n_steps: 0 = never.
+        every_n_steps: evaluate every this many steps and after the last one (0 = never).
+        at_start: also evaluate the student before the first step (logged at step index -1;
+            ``saopd-train`` prints it beside the last evaluation); needs ``every_n_steps`` > 0.
         benchmarks: registered benchmark names (``saopd.eval.benchmarks.BENCHMARKS``; gsm8k
             reads the vendored test split).
         limit: problems per benchmark (a fixed subset: the first ``limit``).
@@ -30,6 +32,7 @@ class EvalDuringTrainingConfig:
     """
 
     every_n_steps: int = 0
+    at_start: bool = False
     benchmarks: list[str] = field(default_factory=lambda: ["gsm8k"])
     limit: int | None = 32
     k: int = 1
@@ -41,6 +44,11 @@ class EvalDuringTrainingConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
             raise ValueError(f"eval.every_n_steps must be an int >= 0, got {self.every_n_steps!r}")
+        if not isinstance(self.at_start, bool):
+            raise ValueError(f"eval.at_start must be true or false, got {self.at_start!r}")
+        if self.at_start and not self.every_n_steps:
+            raise ValueError("eval.at_start needs eval.every_n_steps > 0 (the evaluation to "
+                             "compare with)")
         check_int("k", self.k, owner="eval")
         check_int("limit", self.limit, owner="eval", allow_none=True)
         check_int("max_new_tokens", self.max_new_tokens, owner="eval")

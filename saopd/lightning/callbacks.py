@@ -174,7 +174,8 @@ class TokenViewCallback(L.Callback):
 
 
 class EvalCallback(L.Callback):
-    """Every ``every_n_steps``, Avg@k of the live student on held-out benchmarks.
+    """Every ``every_n_steps`` and after the last step, Avg@k of the live student on held-out
+    benchmarks; with ``at_start``, also once before the first step.
 
     Uses the same code as ``saopd-eval`` (:func:`saopd.eval.runner.evaluate_benchmark`: each
     benchmark graded by its record's grader, :data:`saopd.eval.benchmarks.BENCHMARKS`) with an
@@ -183,13 +184,16 @@ class EvalCallback(L.Callback):
     (``pl_module.contexts``). ``problems``: benchmark name -> its problems
     (:func:`saopd.eval.runner.load_benchmark`); ``sampling``: the same for every benchmark;
     ``batch_size``: problems per ``generate`` call. Scores go to the trainer's loggers as
-    ``eval/<name>/avg_at_<k>`` (MLflow names allow no "@") at the step's index, and the
-    per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/``.
+    ``eval/<name>/avg_at_<k>`` (MLflow names allow no "@") at the index of the step just taken
+    (0-based, as the ``train/`` metrics), the evaluation before the first step at index -1; the
+    per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/`` (``eval/initial/`` before the first
+    step). ``results`` keeps every evaluation of this process: step index -> metrics. A resumed
+    run does not repeat the evaluation before the first step.
     """
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
-                 grade_workers: int | None = None) -> None:
+                 grade_workers: int | None = None, at_start: bool = False) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         for name in problems:  # an unknown name fails now, not at the first evaluation
@@ -200,14 +204,21 @@ class EvalCallback(L.Callback):
         self.out_dir = Path(out_dir)
         self.batch_size = batch_size
         self.grade_workers = grade_workers
+        self.at_start = at_start
+        self.results: dict[int, dict[str, float]] = {}
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.at_start and trainer.global_step == 0:
+            self._evaluate(trainer, pl_module, step=-1, folder="initial")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         done = trainer.global_step
-        if done % self.every_n_steps != 0:
-            return
+        last = trainer.max_steps is not None and done == trainer.max_steps
+        if done % self.every_n_steps == 0 or last:
+            self._evaluate(trainer, pl_module, step=done - 1, folder=f"step_{done - 1:06d}")
 
-        step = done - 1
+    def _evaluate(self, trainer: L.Trainer, pl_module: Any, *, step: int, folder: str) -> None:
         contexts = pl_module.contexts
         # HF generate on the module being trained, even when training samples with vLLM: there
         # are no weights to sync, and the engine lives only for this evaluation
@@ -220,10 +231,9 @@ class EvalCallback(L.Callback):
             res = evaluate_benchmark(name, problems, engine, pl_module.tokenizer, self.sampling,
                                      batch_size=self.batch_size,
                                      grade_workers=self.grade_workers)
-            write_jsonl_atomic(self.out_dir / "eval" / f"step_{step:06d}" / f"{name}.jsonl",
-                               res.samples)
+            write_jsonl_atomic(self.out_dir / "eval" / folder / f"{name}.jsonl", res.samples)
             metrics[f"eval/{name}/avg_at_{res.k}"] = res.score
             metrics.update({f"eval/{name}/{key}": v for key, v in res.extra.items()})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-        pl_module.last_eval = metrics
+        self.results[step] = metrics

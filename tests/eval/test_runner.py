@@ -210,6 +210,61 @@ def test_training_time_eval_logs_avg_at_k(tmp_path: Path, monkeypatch) -> None:
     assert (Path(summary["output_dir"]) / "eval" / "step_000001" / "gsm8k.jsonl").is_file()
 
 
+def test_eval_before_the_first_step_and_after_the_last(tmp_path: Path, monkeypatch,
+                                                       capsys) -> None:
+    """``eval.at_start``: the untrained student is evaluated once before step 0 (index -1, its
+    samples exactly those of evaluating the initial model directly), training is not changed by
+    it (same final weights as without), the last step is evaluated off the every-N grid, and
+    ``saopd-train`` prints the first and last scores."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from saopd.train import _format_summary, train
+    from tests.conftest import compose_train
+
+    args = ("experiment=tiny", "steps=3", "eval.every_n_steps=2", "eval.limit=2",
+            "eval.max_new_tokens=8", "eval.top_p=1.0")
+    summary = train(compose_train(tmp_path / "a", *args, "eval.at_start=true"))
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    history = client.get_metric_history(summary["run_id"], "eval/gsm8k/avg_at_1")
+    assert sorted(m.step for m in history) == [-1, 1, 2]  # before, after step 2, after step 3
+    assert list(summary["eval"]) == ["-1", "1", "2"]
+    out = Path(summary["output_dir"])
+    initial = [json.loads(x) for x in (out / "eval" / "initial" / "gsm8k.jsonl").open()]
+
+    from saopd.config import to_train_config
+    from saopd.config.rollout import HFRolloutConfig
+    from saopd.models.factory import build_pair
+    from saopd.rollout.registry import build_engine
+
+    conf = to_train_config(compose_train(tmp_path / "c", *args))
+    pair = build_pair(conf.student, conf.teacher)  # the initial student, as the trainer has it
+    problems = load_benchmark("gsm8k", conf.eval.data_dir, limit=2)
+    engine = build_engine(HFRolloutConfig(batch_size=8), pair.student, pair.tokenizer)
+    direct = evaluate_benchmark("gsm8k", problems, engine, pair.tokenizer,
+                                SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=8,
+                                               seed=conf.seed), batch_size=8)
+    assert [x["response"] for x in initial] == [x["response"] for x in direct.samples]
+
+    plain = train(compose_train(tmp_path / "b", *args))
+    assert list(plain["eval"]) == ["1", "2"]
+    ckpt = lambda s: torch.load(s["last_checkpoint"], weights_only=False)["state_dict"]  # noqa: E731
+    a, b = ckpt(summary), ckpt(plain)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+    text = _format_summary(summary)
+    first, last = summary["eval"]["-1"], summary["eval"]["2"]
+    assert "held-out (before training -> after step 3):" in text
+    assert f"gsm8k/avg_at_1: {first['eval/gsm8k/avg_at_1']:.4g} -> " \
+           f"{last['eval/gsm8k/avg_at_1']:.4g}" in text
+
+
+def test_eval_at_start_needs_periodic_evaluation() -> None:
+    from saopd.config.eval import EvalDuringTrainingConfig
+
+    with pytest.raises(ValueError, match=r"at_start needs eval\.every_n_steps"):
+        EvalDuringTrainingConfig(every_n_steps=0, at_start=True, data_dir="x")
+
+
 
 def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Path, tiny_tok,
                                                                    monkeypatch) -> None:
@@ -236,7 +291,7 @@ def test_training_time_eval_builds_its_engine_through_the_registry(tmp_path: Pat
     module = SimpleNamespace(student=student, tokenizer=tiny_tok,
                              contexts=SimpleNamespace(processor=None, chat_template_kwargs=kwargs))
     logged: list = []
-    trainer = SimpleNamespace(global_step=2, loggers=[SimpleNamespace(
+    trainer = SimpleNamespace(global_step=2, max_steps=10, loggers=[SimpleNamespace(
         log_metrics=lambda metrics, step: logged.append((metrics, step)))])
     problems = {"gsm8k": load_benchmark("gsm8k", REPO / "data", limit=2)}
     callback = EvalCallback(2, problems, SamplingParams(n=1, max_new_tokens=3), tmp_path,
