@@ -4,7 +4,13 @@
 2. reference rows: the untrained student and the teacher on the held-out benchmark ``arith``
    (the same evaluation as during training, one sampling seed per study seed);
 3. each study as a user runs it: ``saopd-train -m experiment=testbed study=<study>`` (MLflow,
-   tagged ``study=<study>``), evaluation every ``--eval-every`` steps;
+   tagged ``study=<study>``; ``--jobs`` runs in parallel through Hydra's joblib launcher, one
+   torch thread each), the student evaluated before the first step and every 25 steps. The
+   method lists (:data:`SWEEPS`): ``baselines`` runs the study's seven methods plus SA-OPD with
+   Algorithm 2's FLMR floor (``method=sa_opd_floor``, 5%); ``ablation_filters`` runs Table 3's
+   four ablations calibrated to that floored SA-OPD's share (at the paper's p1/p2 SA-OPD removes
+   ~0.04% of this task's tokens, so every calibrated ablation would too), and its table takes
+   the OPD and floored SA-OPD rows from the ``baselines`` runs (the same runs, not re-run);
 4. per study: ``saopd-report`` (accuracy, mean ± 95% CI) and this script's own tables: accuracy,
    habit rates, filtered share, FLMR and the filter's selection by ground-truth source
    (:mod:`saopd.testbeds.arithmetic`, from each run's token records), plus figures of accuracy
@@ -30,6 +36,19 @@ BIN = REPO / ".venv" / "bin"
 OUT = REPO / "experiments" / "testbed" / "results"
 TASK = REPO / "data" / "prepared" / "testbed" / "task.json"
 EXPERIMENT = "testbed"
+EXPERIMENT_YAML = REPO / "conf" / "experiment" / "testbed.yaml"
+#: The accuracy metric of the runs' evaluations (Avg@k, the experiment's eval.k).
+ACCURACY = "eval/arith/avg_at_{}".format(
+    __import__("yaml").safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"]["k"])
+#: The sweep of each study: its saopd-train overrides, and the rows its tables borrow from
+#: another study's runs (label -> study).
+SWEEPS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "baselines": (["method=opd,exopd,tip,fire_opd,teachability,entropy_aware,sa_opd,"
+                   "sa_opd_floor"], {}),
+    "ablation_filters": (["method=random,divergence_only,ig_only,proxy_replacement",
+                          "filter.beta_min=0.05", "filter.extreme=two_sided"],
+                         {"OPD": "baselines", "SA-OPD (FLMR >= 5%)": "baselines"}),
+}
 
 
 def _run(cmd: list[str]) -> None:
@@ -57,8 +76,17 @@ def _fmt(mean: float, half: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
+def eval_settings() -> dict[str, Any]:
+    """The testbed experiment's ``eval`` section (k, max_new_tokens, ...)."""
+    import yaml
+
+    return dict(yaml.safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"])
+
+
 def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]]:
-    """Held-out accuracy and habit rates of the untrained student and of the teacher."""
+    """Held-out accuracy and habit rates of the untrained student and of the teacher, sampled
+    as the runs' evaluations sample (the experiment's k, temperature, top-p and length), one
+    sampling seed per study seed."""
     import torch
 
     from saopd.config.rollout import HFRolloutConfig
@@ -68,6 +96,7 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
     from saopd.rollout.registry import build_engine
 
     torch.set_num_threads(1)
+    ev = eval_settings()
     problems = load_benchmark("arith", REPO / "data" / "prepared" / "eval", limit=limit)
     out: dict[str, dict[str, list[float]]] = {}
     for label, folder in (("Student (untrained)", "student"), ("Teacher", "teacher")):
@@ -77,8 +106,11 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
         rows: dict[str, list[float]] = {}
         for seed in seeds:
             res = evaluate_benchmark("arith", problems, engine, tok,
-                                     SamplingParams(n=1, temperature=1.0, top_p=1.0,
-                                                    max_new_tokens=64, seed=seed), batch_size=64)
+                                     SamplingParams(n=int(ev["k"]),
+                                                    temperature=float(ev["temperature"]),
+                                                    top_p=float(ev["top_p"]),
+                                                    max_new_tokens=int(ev["max_new_tokens"]),
+                                                    seed=seed), batch_size=64)
             for key, value in {"accuracy": res.score, **res.extra}.items():
                 rows.setdefault(key, []).append(value)
         out[label] = rows
@@ -88,6 +120,8 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
 
 def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     """Per-method tables (mean ± 95% CI over seeds) and figures of one study's runs."""
+    import pandas as pd
+
     from saopd.analysis.runs import (
         RunQuery,
         download_token_records,
@@ -99,13 +133,25 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     from saopd.testbeds.arithmetic import load_habits, read_token_records, selection_by_source
 
     uri = f"sqlite:///{REPO / 'mlflow.db'}"
-    runs = load_runs(uri, RunQuery(experiments=(EXPERIMENT,), tags={"study": study},
-                                   statuses=("FINISHED",)))
-    runs = runs.assign(label=method_labels(runs), seed=run_seeds(runs))
+
+    def study_runs(name: str) -> Any:
+        found = load_runs(uri, RunQuery(experiments=(EXPERIMENT,), tags={"study": name},
+                                        statuses=("FINISHED",)))
+        return found.assign(label=method_labels(found), seed=run_seeds(found))
+
+    borrowed = SWEEPS[study][1]
+    parts = [study_runs(study)]
+    for other in sorted(set(borrowed.values())):
+        theirs = study_runs(other)
+        parts.append(theirs[theirs.label.isin([k for k, v in borrowed.items() if v == other])])
+    runs = pd.concat(parts, ignore_index=True)
     runs = runs.sort_values("start_time").drop_duplicates(["label", "seed"], keep="last")
+    order = [*borrowed, *dict.fromkeys(parts[0].sort_values("start_time").label)]
+    runs = runs.assign(order=runs.label.map({lab: i for i, lab in enumerate(order)}))
+    runs = runs.sort_values(["order", "seed"], kind="stable")
     habits = load_habits(TASK)
     phrase_keys = [f"eval/arith/phrase_{h.name}" for h in habits]
-    keys = ["eval/arith/avg_at_1", *phrase_keys, "train/filtered_ratio", "train/flmr"]
+    keys = [ACCURACY, *phrase_keys, "train/filtered_ratio", "train/flmr"]
     hist = metric_histories(uri, runs["run_id"], keys)
     per_run: dict[str, dict[str, float]] = {}
     for run_id in runs["run_id"]:
@@ -148,7 +194,7 @@ def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
         lines.append(f"| {label} | {len(vals['accuracy'])} sampling seeds | " + " | ".join(cells)
                      + " | - | - |")
     for label, cols in table.items():
-        cells = [_fmt(*cols["eval/arith/avg_at_1"])] + \
+        cells = [_fmt(*cols[ACCURACY])] + \
                 [_fmt(*cols[f"eval/arith/phrase_{n}"]) for n in names] + \
                 [_fmt(*cols["train/filtered_ratio"]), _fmt(*cols["train/flmr"])]
         lines.append(f"| {label} | {n_seeds.get(label, 0)} | " + " | ".join(cells) + " |")
@@ -172,7 +218,7 @@ def _figures(study: str, runs: Any, hist: Any, phrase_keys: list[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["eval/arith/avg_at_1", *phrase_keys]
+    keys = [ACCURACY, *phrase_keys]
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
     for ax, key in zip(axes, keys, strict=True):
         for label in dict.fromkeys(runs["label"]):
@@ -180,8 +226,9 @@ def _figures(study: str, runs: Any, hist: Any, phrase_keys: list[str]) -> None:
             h = hist[(hist.key == key) & hist.run_id.isin(ids)]
             mean = h.groupby("step").value.mean()
             ax.plot(mean.index + 1, mean.values, marker="o", label=label)
-        ax.set_title(key.replace("eval/arith/", "").replace("avg_at_1", "accuracy"))
-        ax.set_xlabel("step")
+        ax.set_title(key.replace("eval/arith/", "").replace(ACCURACY.split("/")[-1],
+                                                             "accuracy"))
+        ax.set_xlabel("steps trained (0: before training)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -194,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--studies", default="baselines,ablation_filters")
     ap.add_argument("--skip-train", action="store_true", help="only tables from MLflow runs")
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="evaluate every N steps (default: the experiment's eval.every_n_steps)")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="runs in parallel (Hydra's joblib launcher; 1 = one after another)")
     ap.add_argument("--ref-seeds", default="0,1,2")
     ap.add_argument("--ref-limit", type=int, default=200)
     args = ap.parse_args(argv)
@@ -202,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     _run([str(BIN / "dvc"), "repro", "testbed_student", "testbed_teacher"])
     refs = references([int(s) for s in args.ref_seeds.split(",")], args.ref_limit)
     results: dict[str, Any] = {"references": refs}
+    every = args.eval_every or int(eval_settings()["every_n_steps"])
+    launcher = [] if args.jobs <= 1 else [
+        "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
     for study in args.studies.split(","):
         if not args.skip_train:
             _run([str(BIN / "saopd-train"), "-m", f"experiment={EXPERIMENT}", f"study={study}",
-                  f"eval.every_n_steps={args.eval_every}"])
+                  *SWEEPS[study][0], f"eval.every_n_steps={every}", *launcher])
         _run([str(BIN / "saopd-report"), "-e", EXPERIMENT, "-t", f"study={study}",
               "--spread", "ci95", "--benchmarks", "arith", "--out", str(OUT / f"report_{study}"),
               "--log-to", "none"])

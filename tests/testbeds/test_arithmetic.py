@@ -99,12 +99,15 @@ def test_smoke_two_steps(tiny_testbed: Path, make_cfg) -> None:
                    f"data.path={tmp / 'prepared' / 'testbed' / 'train.jsonl'}",
                    f"eval.data_dir={tmp / 'prepared' / 'eval'}", "eval.every_n_steps=1",
                    "eval.limit=4", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
-                   mlflow=False, tmp=tmp)
+                   "trainer.view_every_n_steps=1", mlflow=False, tmp=tmp)
     summary = train(cfg)
     assert summary["steps"] == 2
-    samples = [json.loads(line) for line in (Path(summary["output_dir"]) / "eval" / "step_000001"
-                                             / "arith.jsonl").read_text().splitlines()]
-    assert len(samples) == 4
+    assert list(summary["eval"]) == ["-1", "0", "1"]  # before training, then every step
+    k = cfg.eval.k
+    for folder in ("initial", "step_000001"):
+        samples = [json.loads(line) for line in (Path(summary["output_dir"]) / "eval" / folder
+                                                 / "arith.jsonl").read_text().splitlines()]
+        assert len(samples) == 4 * k
     assert all(set(x["metrics"]) == {"phrase_preamble", "phrase_signoff"} for x in samples)
     records = read_token_records(Path(summary["output_dir"]) / "token_records")
     assert [r["step"] for r in records] == [0, 1]
@@ -126,3 +129,28 @@ def test_a_corrupted_digit_is_one_wrong_digit_of_the_worked_lines() -> None:
     assert at is not None and [i for i in range(len(ids)) if ids[i] != clean[i]] == [at]
     assert tok.decode(ids[at:at + 1]).isdigit()
     assert "\\boxed{432}" in tok.decode(ids[start:])  # the answer line is never touched
+
+
+def test_the_committed_testbed_is_what_dvc_lock_records() -> None:
+    """The testbed's data and models are files in git (dvc.yaml: ``cache: false``) so that
+    ``make run`` trains nothing: ``dvc.lock`` must record exactly those files, the params and
+    the code that made them. Otherwise ``make testbed`` would re-train them (minutes) and the
+    default run would use models the lock does not describe. After changing a dependency, run
+    ``dvc repro testbed_teacher testbed_student`` (or ``dvc commit`` them when the change
+    cannot alter their outputs) and commit the files and the lock."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    beside = Path(sys.executable).parent / "dvc"
+    dvc = str(beside) if beside.is_file() else shutil.which("dvc")
+    if dvc is None:
+        pytest.skip("dvc is not installed")
+    res = subprocess.run([dvc, "status", "testbed_data", "testbed_teacher", "testbed_student"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Data and pipelines are up to date." in res.stdout, res.stdout
+    for role in ("teacher", "student"):
+        assert (REPO / "data" / "models" / "testbed" / role / "model.safetensors").is_file()
