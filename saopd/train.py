@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 import hydra
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
@@ -119,6 +121,10 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
            changes: dict[str, tuple[str, str]], extra_callbacks: list[L.Callback] | None
            ) -> dict[str, Any]:
     """The rest of :func:`train`, with the run folder locked."""
+    if conf.trainer.threads:
+        torch.set_num_threads(conf.trainer.threads)
+        # Lightning's DDP/FSDP set each process's threads unless OMP_NUM_THREADS is set
+        os.environ["OMP_NUM_THREADS"] = str(conf.trainer.threads)
     zero = _global_rank() == 0
     if zero and (ckpt is None or changes):
         write_training_config(out_dir, run_config)

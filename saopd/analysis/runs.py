@@ -291,7 +291,7 @@ NOT_HYPERPARAMETER_PREFIXES = (
     "trainer.checkpoint_every_n_steps", "trainer.keep_all_checkpoints",
     # where and on how many devices a step runs: the data-parallel step equals one process's
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
-    "trainer.process_group_backend", "trainer.activation_checkpointing",
+    "trainer.process_group_backend", "trainer.activation_checkpointing", "trainer.threads",
     # where the teacher is scored: every backend gives the same log-probs (docs/teacher_scoring.md);
     # teacher_scoring.top_k (an approximation) and teacher_scoring.dtype do change them
     "teacher_scoring.backend", "teacher_scoring.urls", "teacher_scoring.model",

@@ -58,6 +58,7 @@ def test_default_is_the_testbed_cpu_experiment(tmp_path: Path) -> None:
     assert conf.trainer.accelerator == "cpu"
     assert conf.eval.at_start and conf.eval.benchmarks == ["arith"]
     assert conf.eval.every_n_steps and conf.steps % conf.eval.every_n_steps == 0
+    assert conf.trainer.threads == 1
     for model in (conf.student, conf.teacher):
         assert (Path(model.name_or_path) / "model.safetensors").is_file(), model.name_or_path
     smollm2 = to_train_config(compose_train(tmp_path, "experiment=smollm2_gsm8k"))
@@ -72,6 +73,7 @@ def test_default_is_the_testbed_cpu_experiment(tmp_path: Path) -> None:
         ("step.aggregation=mean", r"step.aggregation must be one of"),
         ("steps=0", r"steps must be an int >= 1, got 0"),
         ("data.long_prompts=drop", r"data.long_prompts must be one of \['skip', 'error'"),
+        ("trainer.threads=0", r"trainer.threads must be null or an int >= 1, got 0"),
     ],
 )
 def test_bad_values_name_the_key(override: str, match: str, tmp_path: Path) -> None:

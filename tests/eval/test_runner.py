@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import mlflow
@@ -324,3 +325,22 @@ def test_limit_zero_is_refused_not_scored_as_zero(tmp_path: Path) -> None:
     problems = load_benchmark("math500", data_dir)
     with pytest.raises(ValueError, match=r"benchmark 'math500': no problem to evaluate"):
         evaluate_benchmark("math500", problems, None, None, SamplingParams())
+
+
+def test_trainer_threads_sets_torchs_threads(tmp_path: Path, monkeypatch) -> None:
+    """``trainer.threads``: the training process runs torch on that many threads (and tells
+    Lightning's launchers through OMP_NUM_THREADS)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    from saopd.train import train
+    from tests.conftest import compose_train
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(compose_train(tmp_path, "experiment=tiny", "steps=1", "trainer.threads=1",
+                            mlflow=False))
+        assert torch.get_num_threads() == 1
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
