@@ -8,7 +8,7 @@ cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1
 PY=.venv-vllm/bin/python
 STEP=experiments/benchmarks/teacher_scoring_step.py
-COMMON="steps=4 trainer.checkpoint_every_n_steps=4 trainer.view_every_n_steps=0"
+COMMON="experiment=smollm2_gsm8k steps=4 trainer.checkpoint_every_n_steps=4 trainer.view_every_n_steps=0"
 VLLM="rollout.kv_cache_gb=0.5 rollout.max_model_len=1024 rollout.dtype=float32"
 $PY $STEP hf $COMMON 2>/dev/null | grep BENCH
 $PY $STEP vllm $COMMON rollout=vllm $VLLM 2>/dev/null | grep BENCH

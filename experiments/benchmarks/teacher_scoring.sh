@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1
 PY=.venv-vllm/bin/python
 STEP=experiments/benchmarks/teacher_scoring_step.py
-COMMON="steps=4 trainer.checkpoint_every_n_steps=4 trainer.view_every_n_steps=0"
+COMMON="experiment=smollm2_gsm8k steps=4 trainer.checkpoint_every_n_steps=4 trainer.view_every_n_steps=0"
 VLLM="teacher_scoring=vllm teacher_scoring.kv_cache_gb=0.5 teacher_scoring.max_model_len=1024"
 for f in sa_opd none; do
   $PY $STEP "hf_$f" $COMMON filter=$f 2>/dev/null | grep BENCH

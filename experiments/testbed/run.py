@@ -40,6 +40,10 @@ EXPERIMENT_YAML = REPO / "conf" / "experiment" / "testbed.yaml"
 #: The accuracy metric of the runs' evaluations (Avg@k, the experiment's eval.k).
 ACCURACY = "eval/arith/avg_at_{}".format(
     __import__("yaml").safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"]["k"])
+#: (p1, p2) at which SA-OPD's rule is re-applied to the SA-OPD runs' token records: the paper's
+#: ratios, the paper's p1/p2 grid corners, and wider p1 (what it takes to reach past the tokens
+#: both models are certain of).
+RATIOS = [(0.2, 0.3), (0.1, 0.2), (0.3, 0.4), (0.5, 0.1), (0.5, 0.3), (0.8, 0.1), (0.8, 0.3)]
 #: The sweep of each study: its saopd-train overrides, and the rows its tables borrow from
 #: another study's runs (label -> study).
 SWEEPS: dict[str, tuple[list[str], dict[str, str]]] = {
@@ -130,7 +134,13 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
         metric_histories,
         run_seeds,
     )
-    from saopd.testbeds.arithmetic import load_habits, read_token_records, selection_by_source
+    from saopd.testbeds.arithmetic import (
+        SourceCounts,
+        load_habits,
+        read_token_records,
+        selection_at_ratios,
+        selection_by_source,
+    )
 
     uri = f"sqlite:///{REPO / 'mlflow.db'}"
 
@@ -154,6 +164,8 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     keys = [ACCURACY, *phrase_keys, "train/filtered_ratio", "train/flmr"]
     hist = metric_histories(uri, runs["run_id"], keys)
     per_run: dict[str, dict[str, float]] = {}
+    what_if = {ratio: SourceCounts() for ratio in RATIOS}
+    sa_opd_ids = set(runs[runs.label == "SA-OPD"]["run_id"])
     for run_id in runs["run_id"]:
         h = hist[hist.run_id == run_id]
         row: dict[str, float] = {}
@@ -168,13 +180,17 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
         counts = selection_by_source((x for r in records for x in r["responses"]), habits)
         row.update({f"sel/{k}": v for k, v in counts.summary().items()})
         per_run[run_id] = row
+        if run_id in sa_opd_ids:  # the paper's SA-OPD: what its rule would do at other ratios
+            for ratio, c in selection_at_ratios(records, habits, RATIOS).items():
+                what_if[ratio].add(c)
     methods = list(dict.fromkeys(runs["label"]))
     table: dict[str, dict[str, tuple[float, float]]] = {}
     for label in methods:
         ids = runs[runs.label == label]["run_id"]
         cols = per_run[ids.iloc[0]].keys()
         table[label] = {c: _ci95([per_run[i][c] for i in ids]) for c in cols}
-    _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict())
+    _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict(),
+                  what_if={r: c.summary() for r, c in what_if.items() if sa_opd_ids})
     _figures(study, runs, hist, phrase_keys)
     return {"methods": {m: {c: list(v) for c, v in cols.items()} for m, cols in table.items()},
             "runs": {r: per_run[r] for r in per_run}}
@@ -182,7 +198,8 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
 
 def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
                   refs: dict[str, dict[str, list[float]]], habits: list[Any],
-                  n_seeds: dict[str, int]) -> None:
+                  n_seeds: dict[str, int],
+                  what_if: dict[tuple[float, float], dict[str, float]]) -> None:
     names = [h.name for h in habits]
     lines = [f"## {study}: held-out accuracy and habit rates (final step; mean ± 95% CI over "
              "seeds)", "",
@@ -200,14 +217,25 @@ def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
         lines.append(f"| {label} | {n_seeds.get(label, 0)} | " + " | ".join(cells) + " |")
     lines += ["", f"## {study}: the filter's selection by ground-truth source (all steps' "
               "token records; mean ± 95% CI over seeds)", "",
-              "| method | filtered share | P(filtered \\| habit) | P(filtered \\| slot) | "
-              "P(filtered \\| grounded) | filtered from habit | from slot | from grounded | "
-              "gap habit | gap slot | gap grounded |", "|---" * 11 + "|"]
+              "| method | filtered share | P(filtered \\| habit onset) | P(filtered \\| habit) | "
+              "P(filtered \\| slot) | P(filtered \\| grounded) | filtered from habit | from slot "
+              "| from grounded | gap habit | gap slot | gap grounded |", "|---" * 12 + "|"]
     for label, cols in table.items():
-        keys = ["sel/filtered_share", "sel/p_filtered_habit", "sel/p_filtered_slot",
-                "sel/p_filtered_grounded", "sel/filtered_from_habit", "sel/filtered_from_slot",
-                "sel/filtered_from_grounded", "sel/gap_habit", "sel/gap_slot", "sel/gap_grounded"]
+        keys = ["sel/filtered_share", "sel/p_filtered_habit_onset", "sel/p_filtered_habit",
+                "sel/p_filtered_slot", "sel/p_filtered_grounded", "sel/filtered_from_habit",
+                "sel/filtered_from_slot", "sel/filtered_from_grounded", "sel/gap_habit",
+                "sel/gap_slot", "sel/gap_grounded"]
         lines.append(f"| {label} | " + " | ".join(_fmt(*cols[k]) for k in keys) + " |")
+    if what_if:
+        lines += ["", f"## {study}: what SA-OPD's rule (Eq. 16) would remove at other (p1, p2), "
+                  "re-applied to the token records of the SA-OPD runs (all seeds pooled)", "",
+                  "| p1 | p2 | filtered share | P(filtered \\| habit onset) | P(filtered \\| "
+                  "habit) | P(filtered \\| slot) | P(filtered \\| grounded) |", "|---" * 7 + "|"]
+        for (p1, p2), sel in what_if.items():
+            cells = [sel[k] for k in ("filtered_share", "p_filtered_habit_onset",
+                                      "p_filtered_habit", "p_filtered_slot",
+                                      "p_filtered_grounded")]
+            lines.append(f"| {p1} | {p2} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
     (OUT / f"{study}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
 

@@ -16,7 +16,8 @@ after the answer line), so every response token has a known **source**:
 keep: :class:`saopd.lightning.callbacks.TokenViewCallback` writes them every
 ``trainer.view_every_n_steps`` steps); :func:`selection_by_source` counts, over the records of a
 run, how many valid and filtered tokens each source has, with their mean |A_full| and grounding
-gap. Pure Python (json, gzip): the records are read here directly.
+gap; :func:`selection_at_ratios` re-applies SA-OPD's rule to the recorded signals at other
+(p1, p2). The records are read with json and gzip; only the counterfactual imports torch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "SourceCounts",
     "load_habits",
     "read_token_records",
+    "selection_at_ratios",
     "selection_by_source",
     "token_sources",
 ]
@@ -112,6 +114,10 @@ class SourceCounts:
     abs_a: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
     gap: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0.0))
     gap_n: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    #: the first token of each written habit (where the response chose to write it): valid and
+    #: filtered counts, a subset of the ``habit`` source
+    onset_valid: int = 0
+    onset_filtered: int = 0
 
     def add(self, other: SourceCounts) -> None:
         """Add ``other``'s counts to these."""
@@ -119,11 +125,27 @@ class SourceCounts:
             mine, theirs = getattr(self, attr), getattr(other, attr)
             for s in SOURCES:
                 mine[s] += theirs[s]
+        self.onset_valid += other.onset_valid
+        self.onset_filtered += other.onset_filtered
+
+    def count(self, source: str, filtered: bool, a_full: float, a_res: float | None,
+              onset: bool = False) -> None:
+        """Add one valid token of ``source``."""
+        self.valid[source] += 1
+        self.filtered[source] += int(filtered)
+        self.abs_a[source] += abs(a_full)
+        if a_res is not None:
+            self.gap[source] += abs(a_full - a_res)
+            self.gap_n[source] += 1
+        if onset:
+            self.onset_valid += 1
+            self.onset_filtered += int(filtered)
 
     def summary(self) -> dict[str, float]:
         """``filtered_share`` (filtered / valid), per source ``p_filtered_<s>`` (share of its
         tokens filtered), ``share_<s>`` (of all valid tokens), ``filtered_from_<s>`` (share of
-        the filtered tokens), ``abs_a_<s>`` and ``gap_<s>`` (means); NaN where undefined."""
+        the filtered tokens), ``abs_a_<s>`` and ``gap_<s>`` (means), ``habit_onsets`` and
+        ``p_filtered_habit_onset`` (the first tokens of written habits); NaN where undefined."""
         nan = float("nan")
         total_v, total_f = sum(self.valid.values()), sum(self.filtered.values())
         out = {"tokens": float(total_v), "filtered_share": total_f / total_v if total_v else nan}
@@ -134,7 +156,16 @@ class SourceCounts:
             out[f"filtered_from_{s}"] = f / total_f if total_f else nan
             out[f"abs_a_{s}"] = self.abs_a[s] / v if v else nan
             out[f"gap_{s}"] = self.gap[s] / self.gap_n[s] if self.gap_n[s] else nan
+        out["habit_onsets"] = float(self.onset_valid)
+        out["p_filtered_habit_onset"] = (self.onset_filtered / self.onset_valid
+                                         if self.onset_valid else nan)
         return out
+
+
+def _onsets(sources: Sequence[str]) -> list[bool]:
+    """True at the first token of each run of ``habit`` tokens."""
+    return [s == "habit" and (i == 0 or sources[i - 1] != "habit")
+            for i, s in enumerate(sources)]
 
 
 def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[Habit]
@@ -145,11 +176,52 @@ def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence
     for r in responses:
         sources = token_sources(r["tokens"], habits)
         a_res = r.get("a_res")
-        for i, s in enumerate(sources):
-            counts.valid[s] += 1
-            counts.filtered[s] += int(bool(r["filtered"][i]))
-            counts.abs_a[s] += abs(float(r["a_full"][i]))
-            if a_res is not None and a_res[i] is not None:
-                counts.gap[s] += abs(float(r["a_full"][i]) - float(a_res[i]))
-                counts.gap_n[s] += 1
+        for i, (s, onset) in enumerate(zip(sources, _onsets(sources), strict=True)):
+            res = None if a_res is None or a_res[i] is None else float(a_res[i])
+            counts.count(s, bool(r["filtered"][i]), float(r["a_full"][i]), res, onset)
     return counts
+
+
+def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[Habit],
+                        ratios: Sequence[tuple[float, float]], *, extreme: str = "abs"
+                        ) -> dict[tuple[float, float], SourceCounts]:
+    """What SA-OPD's rule would remove, by source, at other ``(p1, p2)``, on recorded steps.
+
+    A counterfactual on a run's token records (``read_token_records``): per recorded step, the
+    recorded rows' A_full and grounding gap |A_full - A_res| are stacked into ``[B, T]`` tensors
+    (``valid`` = the recorded tokens) and :func:`saopd.filters.sa_opd.spurious_token_mask` (Eq.
+    16, no FLMR bound) is applied at each ratio pair; the run's own training is not changed.
+    Steps whose rows lack A_res (a run that never scored the residual context, e.g. vanilla OPD)
+    are skipped. The records keep A values to 6 decimals, so near-ties may rank differently
+    from the run's own filter.
+    """
+    import torch
+
+    from saopd.filters.sa_opd import spurious_token_mask
+
+    out = {ratio: SourceCounts() for ratio in ratios}
+    for record in records:
+        rows = [r for r in record["responses"]
+                if r.get("a_res") is not None and None not in r["a_res"] and r["tokens"]]
+        if not rows:
+            continue
+        width = max(len(r["tokens"]) for r in rows)
+        a_full = torch.zeros(len(rows), width, dtype=torch.float64)
+        a_res = torch.zeros_like(a_full)
+        valid = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            n = len(r["tokens"])
+            a_full[i, :n] = torch.tensor(r["a_full"], dtype=torch.float64)
+            a_res[i, :n] = torch.tensor(r["a_res"], dtype=torch.float64)
+            valid[i, :n] = True
+        sources = [token_sources(r["tokens"], habits) for r in rows]
+        for ratio in ratios:
+            mask = spurious_token_mask(a_full, (a_full - a_res).abs(), valid, p1=ratio[0],
+                                       p2=ratio[1], extreme=extreme).mask
+            counts = out[ratio]
+            for i, r in enumerate(rows):
+                for j, (s, onset) in enumerate(zip(sources[i], _onsets(sources[i]),
+                                                   strict=True)):
+                    counts.count(s, bool(mask[i, j]), float(r["a_full"][j]),
+                                 float(r["a_res"][j]), onset)
+    return out

@@ -154,3 +154,33 @@ def test_the_committed_testbed_is_what_dvc_lock_records() -> None:
     assert "Data and pipelines are up to date." in res.stdout, res.stdout
     for role in ("teacher", "student"):
         assert (REPO / "data" / "models" / "testbed" / role / "model.safetensors").is_file()
+
+
+def test_selection_at_ratios_reapplies_the_rule_by_source() -> None:
+    """The counterfactual re-applies Eq. 16 to recorded signals. A habit onset with the largest
+    |A_full| and a small gap, two grounded digits with large |A| and large gaps, the rest of the
+    habit certain (A = 0, gap 0) and the other grounded tokens with no divergence but a gap of
+    0.5: at the paper's p1 = 0.2 the certain tokens fill Bottom_p1 and the onset stays; at
+    p1 = 0.8, p2 = 0.1 the onset (and only it) is removed. A record without A_res (vanilla
+    OPD) is skipped."""
+    from saopd.testbeds.arithmetic import selection_at_ratios
+
+    habit = ["Let", " us", " think", " step", " by", " step", ".", "\n"]
+    body = ["1", " +", " 2", " =", " 3", "\n", "So", " the", " answer", " is", " \\", "boxed",
+            "{", "3", "}.", "<end>"]
+    tokens = habit + body
+    a_full = [0.0] * len(habit) + [0.0] * len(body)
+    a_res = [0.0] * len(habit) + [-0.5] * len(body)
+    a_full[0], a_res[0] = -2.0, -1.98          # the habit onset: input-agnostic divergence
+    a_full[8], a_res[8] = 1.5, 0.1             # the first digit: grounded divergence
+    a_full[21], a_res[21] = 1.2, -0.3          # the answer digit: grounded
+    row = dict(tokens=tokens, a_full=a_full, a_res=a_res, filtered=[0] * len(tokens))
+    no_res = {"step": 1, "responses": [dict(row, a_res=None)]}
+    out = selection_at_ratios([{"step": 0, "responses": [row]}, no_res], HABITS,
+                              [(0.2, 0.3), (0.8, 0.1)])
+    paper, wide = out[(0.2, 0.3)], out[(0.8, 0.1)]
+    assert paper.summary()["tokens"] == wide.summary()["tokens"] == len(tokens)
+    assert paper.summary()["habit_onsets"] == 1
+    # Bottom_4(gap) = habit tokens 1-4; Top_7(|A|) = onset, both digits, then ties by index
+    assert (paper.onset_filtered, paper.filtered["habit"], paper.filtered["grounded"]) == (0, 4, 0)
+    assert (wide.onset_filtered, wide.filtered["habit"], wide.filtered["grounded"]) == (1, 1, 0)
