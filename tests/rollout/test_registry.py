@@ -8,6 +8,7 @@ option of their own. The engine itself is tested on real vLLM in tests/integrati
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -133,19 +134,11 @@ def test_bad_vllm_values_name_the_key(override: str, match: str, tmp_path: Path)
         to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm", override))
 
 
-def test_several_processes_get_colocated_engines_without_tensor_parallelism(
-        tmp_path: Path, tiny_tok, monkeypatch) -> None:
+def test_several_processes_get_colocated_engines(tmp_path: Path, tiny_tok, monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
     from saopd.rollout.vllm import VLLMEngine
 
-    conf = to_train_config(compose_train(tmp_path, "experiment=tiny", "rollout=vllm",
-                                         "rollout.tensor_parallel_size=2")).rollout
     model = tiny_qwen3(tiny_tok)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with 2 training processes.*"
-                                         r"saopd-serve"):
-        build_engine(conf, model, tiny_tok, devices=2)
-    with pytest.raises(ValueError, match=r"with 4 training processes"):
-        build_engine(conf, model, tiny_tok, devices=[0, 1], num_nodes=2)
     # one engine per rank: out of process, a folder per rank, the rank's local device
     seen: dict = {}
 
@@ -162,10 +155,49 @@ def test_several_processes_get_colocated_engines_without_tensor_parallelism(
     assert build_engine(conf, model, tiny_tok, devices=2, num_nodes=2) == "engine"
     assert seen["in_process"] is False and seen["local_rank"] == 1
     assert seen["model_dir"] == str(tmp_path / "m" / "rank3")
+    assert "colocated_tensor_parallel" not in seen
     seen.clear()
     build_engine(conf, model, tiny_tok, devices=1)  # one process: as configured
     assert seen["in_process"] is True and seen["local_rank"] is None
     assert num_training_processes("1") == 1 and num_training_processes([0, 1, 2]) == 3
+
+
+def test_several_processes_share_tensor_parallel_engines(tmp_path: Path, tiny_tok,
+                                                         monkeypatch) -> None:
+    from saopd.models.tiny import tiny_qwen3
+    from saopd.rollout.vllm import VLLMEngine
+
+    model = tiny_qwen3(tiny_tok)
+    seen: dict = {}
+
+    def fake_from_model(cls, student, tokenizer, **kw):
+        seen.update(kw)
+        return "engine"
+
+    monkeypatch.setattr(VLLMEngine, "from_model", classmethod(fake_from_model))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    conf = to_train_config(compose_train(
+        tmp_path, "experiment=tiny", "rollout=vllm", "rollout.tensor_parallel_size=2",
+        "rollout.in_process=false", f"rollout.model_dir={tmp_path / 'm'}")).rollout
+    # a shard of the engine ranks 0 and 1 share: in process (external launcher), no local
+    # device of its own to narrow to, the rank's own folder
+    assert build_engine(conf, model, tiny_tok, devices=2) == "engine"
+    assert seen["colocated_tensor_parallel"] is True and seen["in_process"] is True
+    assert seen["local_rank"] is None and seen["tensor_parallel_size"] == 2
+    assert seen["model_dir"] == str(tmp_path / "m" / "rank1")
+    build_engine(conf, model, tiny_tok, devices=[0, 1], num_nodes=2)  # 2 groups, one per node
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 must divide the number of "
+                                         r"training processes \(3\)"):
+        build_engine(conf, model, tiny_tok, devices=3)
+    conf4 = dataclasses.replace(conf, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"must divide the training processes per node \(2\).*"
+                                         r"stays within a node"):
+        build_engine(conf4, model, tiny_tok, devices=2, num_nodes=2)
+    ahead = dataclasses.replace(conf, async_steps=1)
+    with pytest.raises(ValueError, match=r"rollout.async_steps=1 with "
+                                         r"rollout.tensor_parallel_size > 1"):
+        build_engine(ahead, model, tiny_tok, devices=2)
 
 
 def test_a_colocated_engine_starts_in_a_clean_environment(monkeypatch) -> None:

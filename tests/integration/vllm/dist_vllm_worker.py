@@ -8,8 +8,10 @@ every step, which holds only if every rank's engine got the updated weights afte
 
     python tests/integration/vllm/dist_vllm_worker.py OUT STRATEGY DEVICES [OVERRIDE ...]
 
-Every rank writes OUT/rollouts_rank<R>.json (per step: its prompts' messages and responses);
-rank 0 writes OUT/losses.json; the final student is OUT/run/checkpoints/last.ckpt.
+Every rank writes OUT/rollouts_rank<R>.json (per step: its prompts' messages and responses)
+and OUT/engine_rank<R>.json (how its engine is laid out: tensor parallelism, its embedding
+shard's rows, the tensors the last sync check compared); rank 0 writes OUT/losses.json; the
+final student is OUT/run/checkpoints/last.ckpt.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ class Record(L.Callback):
                             if f"train/{k}" in m})
         if trainer.is_global_zero:
             (self.out / "losses.json").write_text(json.dumps(self.losses))
+        engine = next(c.engine for c in trainer.callbacks
+                      if type(c).__name__ == "RolloutCallback")
+        if "llm" in engine.__dict__:
+            shapes = engine.llm.collective_rpc("saopd_param_shapes")[0]
+            (self.out / f"engine_rank{trainer.global_rank}.json").write_text(json.dumps({
+                "colocated_tensor_parallel": engine.colocated_tensor_parallel,
+                "vllm_tensor_parallel_size":
+                    engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
+                "embed_rows": shapes["model.embed_tokens.weight"][0],
+                "vocab_size": pl_module.student.config.vocab_size,
+                "sync_checked": engine.last_sync_checked}))
 
 
 def main() -> None:
