@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="evaluate every N steps (default: the experiment's eval.every_n_steps)")
     ap.add_argument("--jobs", type=int, default=2,
                     help="runs in parallel (Hydra's joblib launcher; 1 = one after another)")
+    ap.add_argument("--overrides", nargs="*", default=[],
+                    help="extra saopd-train overrides for every sweep, e.g. a quick end-to-end "
+                         "check: --overrides steps=4 seed=0 --eval-every 2 (its runs join the "
+                         "store's tables: use a scratch clone)")
     ap.add_argument("--ref-seeds", default="0,1,2")
     ap.add_argument("--ref-limit", type=int, default=200)
     args = ap.parse_args(argv)
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     for study in args.studies.split(","):
         if not args.skip_train:
             _run([str(BIN / "saopd-train"), "-m", f"experiment={EXPERIMENT}", f"study={study}",
-                  *SWEEPS[study][0], f"eval.every_n_steps={every}", *launcher])
+                  *SWEEPS[study][0], f"eval.every_n_steps={every}", *launcher,
+                  *args.overrides])
         _run([str(BIN / "saopd-report"), "-e", EXPERIMENT, "-t", f"study={study}",
               "--spread", "ci95", "--benchmarks", "arith", "--out", str(OUT / f"report_{study}"),
               "--log-to", "none"])
