@@ -162,6 +162,19 @@ def limit_prompts(
     return kept, truncated, skipped
 
 
+def check_context_fits(kept: Sequence[tuple[int, Sequence[int]]], max_new_tokens: int,
+                       max_model_len: int, *, engine: str, fix: str) -> None:
+    """``ValueError`` when the longest of ``kept`` (``limit_prompts``'s ``(index, ids)``) plus
+    ``max_new_tokens`` exceeds the engine's ``max_model_len``, naming the prompt, the
+    ``engine`` ("the vLLM engine's") and how to ``fix`` it."""
+    if not kept:
+        return
+    index, ids = max(kept, key=lambda item: len(item[1]))
+    if len(ids) + max_new_tokens > max_model_len:
+        raise ValueError(f"prompt {index} has {len(ids)} tokens + max_new_tokens "
+                         f"{max_new_tokens} > {engine} max_model_len {max_model_len}; {fix}")
+
+
 def refuse_images(messages: Sequence[Sequence[Message]]) -> None:
     """For an engine without a processor: ``ValueError`` naming the first prompt that holds an
     image part."""

@@ -131,6 +131,7 @@ from saopd.rollout.base import (
     Rollout,
     RolloutBatch,
     SamplingParams,
+    check_context_fits,
     limit_prompts,
     refuse_images,
 )
@@ -927,14 +928,13 @@ class VLLMEngine:
                 protected=self._vision_ids)
             batches.append(RolloutBatch(messages=chats, num_truncated_prompts=truncated,
                                         num_skipped_prompts=skipped))
-            if kept:
-                longest = max(kept, key=lambda item: len(item[1]))
-                if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
-                    raise ValueError(
-                        f"{prefix}prompt {longest[0]} has {len(longest[1])} tokens + "
-                        f"max_new_tokens {sampling.max_new_tokens} > the vLLM engine's "
-                        f"max_model_len {self.max_model_len}; raise rollout.max_model_len or "
-                        "lower data.max_prompt_length / max_new_tokens")
+            try:
+                check_context_fits(kept, sampling.max_new_tokens, self.max_model_len,
+                                   engine="the vLLM engine's",
+                                   fix="raise rollout.max_model_len or lower "
+                                       "data.max_prompt_length / max_new_tokens")
+            except ValueError as err:
+                raise ValueError(f"{prefix}{err}") from None
             plans.append((requests, kept, sampling))
         prompts, params, owners = [], [], []
         for s, (requests, kept, sampling) in enumerate(plans):

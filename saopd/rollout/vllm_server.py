@@ -75,6 +75,7 @@ from saopd.rollout.base import (
     Rollout,
     RolloutBatch,
     SamplingParams,
+    check_context_fits,
     limit_prompts,
     refuse_images,
 )
@@ -519,13 +520,10 @@ class VLLMServerEngine:
         self.last_prompts_per_server = [0] * len(self.clients)
         if not kept:
             return batch
-        longest = max(kept, key=lambda item: len(item[1]))
-        if len(longest[1]) + sampling.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt {longest[0]} has {len(longest[1])} tokens + max_new_tokens "
-                f"{sampling.max_new_tokens} > the rollout servers' max_model_len "
-                f"{self.max_model_len}; start them with a larger --max-model-len or lower "
-                "data.max_prompt_length / max_new_tokens")
+        check_context_fits(kept, sampling.max_new_tokens, self.max_model_len,
+                           engine="the rollout servers'",
+                           fix="start them with a larger --max-model-len or lower "
+                               "data.max_prompt_length / max_new_tokens")
         for client in self.clients:
             self._check_identity(client)
         rank, _ = _global_rank_world()
