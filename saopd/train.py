@@ -437,8 +437,8 @@ def _format_summary(summary: dict[str, Any]) -> str:
 
 
 def _format_evals(evals: dict[str, dict[str, float]]) -> list[str]:
-    """``held-out:`` lines: each metric of the first and the last evaluation of the run (by step
-    index; -1 = before the first step), e.g. ``arith avg_at_1 0.390 -> 0.480``."""
+    """``held-out`` lines: each metric of the first and the last evaluation of the run (by step
+    index; -1 = before the first step), e.g. ``arith/avg_at_4: 0.3825 -> 0.4788``."""
     if not evals:
         return []
     steps = sorted(evals, key=int)

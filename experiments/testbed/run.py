@@ -31,15 +31,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / ".venv" / "bin"
 OUT = REPO / "experiments" / "testbed" / "results"
 TASK = REPO / "data" / "prepared" / "testbed" / "task.json"
 EXPERIMENT = "testbed"
 EXPERIMENT_YAML = REPO / "conf" / "experiment" / "testbed.yaml"
+#: The experiment's ``eval`` section (k, sampling, length, every_n_steps): the runs' evaluations,
+#: which the reference rows repeat.
+EVAL: dict[str, Any] = dict(yaml.safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"])
 #: The accuracy metric of the runs' evaluations (Avg@k, the experiment's eval.k).
-ACCURACY = "eval/arith/avg_at_{}".format(
-    __import__("yaml").safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"]["k"])
+ACCURACY = f"eval/arith/avg_at_{EVAL['k']}"
 #: (p1, p2) at which SA-OPD's rule is re-applied to the SA-OPD runs' token records: the paper's
 #: ratios, the paper's p1/p2 grid corners, and wider p1 (what it takes to reach past the tokens
 #: both models are certain of).
@@ -80,13 +84,6 @@ def _fmt(mean: float, half: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
-def eval_settings() -> dict[str, Any]:
-    """The testbed experiment's ``eval`` section (k, max_new_tokens, ...)."""
-    import yaml
-
-    return dict(yaml.safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"])
-
-
 def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]]:
     """Held-out accuracy and habit rates of the untrained student and of the teacher, sampled
     as the runs' evaluations sample (the experiment's k, temperature, top-p and length), one
@@ -100,7 +97,6 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
     from saopd.rollout.registry import build_engine
 
     torch.set_num_threads(1)
-    ev = eval_settings()
     problems = load_benchmark("arith", REPO / "data" / "prepared" / "eval", limit=limit)
     out: dict[str, dict[str, list[float]]] = {}
     for label, folder in (("Student (untrained)", "student"), ("Teacher", "teacher")):
@@ -110,10 +106,10 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
         rows: dict[str, list[float]] = {}
         for seed in seeds:
             res = evaluate_benchmark("arith", problems, engine, tok,
-                                     SamplingParams(n=int(ev["k"]),
-                                                    temperature=float(ev["temperature"]),
-                                                    top_p=float(ev["top_p"]),
-                                                    max_new_tokens=int(ev["max_new_tokens"]),
+                                     SamplingParams(n=int(EVAL["k"]),
+                                                    temperature=float(EVAL["temperature"]),
+                                                    top_p=float(EVAL["top_p"]),
+                                                    max_new_tokens=int(EVAL["max_new_tokens"]),
                                                     seed=seed), batch_size=64)
             for key, value in {"accuracy": res.score, **res.extra}.items():
                 rows.setdefault(key, []).append(value)
@@ -284,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     _run([str(BIN / "dvc"), "repro", "testbed_student", "testbed_teacher"])
     refs = references([int(s) for s in args.ref_seeds.split(",")], args.ref_limit)
     results: dict[str, Any] = {"references": refs}
-    every = args.eval_every or int(eval_settings()["every_n_steps"])
+    every = args.eval_every or int(EVAL["every_n_steps"])
     launcher = [] if args.jobs <= 1 else [
         "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
     for study in args.studies.split(","):

@@ -215,13 +215,14 @@ def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[H
             a_res[i, :n] = torch.tensor(r["a_res"], dtype=torch.float64)
             valid[i, :n] = True
         sources = [token_sources(r["tokens"], habits) for r in rows]
+        onsets = [_onsets(s) for s in sources]
+        gap = (a_full - a_res).abs()
         for ratio in ratios:
-            mask = spurious_token_mask(a_full, (a_full - a_res).abs(), valid, p1=ratio[0],
-                                       p2=ratio[1], extreme=extreme).mask
+            mask = spurious_token_mask(a_full, gap, valid, p1=ratio[0], p2=ratio[1],
+                                       extreme=extreme).mask.tolist()
             counts = out[ratio]
             for i, r in enumerate(rows):
-                for j, (s, onset) in enumerate(zip(sources[i], _onsets(sources[i]),
-                                                   strict=True)):
-                    counts.count(s, bool(mask[i, j]), float(r["a_full"][j]),
-                                 float(r["a_res"][j]), onset)
+                for j, (s, onset) in enumerate(zip(sources[i], onsets[i], strict=True)):
+                    counts.count(s, mask[i][j], float(r["a_full"][j]), float(r["a_res"][j]),
+                                 onset)
     return out
