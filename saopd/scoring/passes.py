@@ -450,6 +450,10 @@ def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: n
         teacher_topk_ids=teacher_topk_ids,
         teacher_topk_lp_teacher=teacher_topk_lp,
         teacher_topk_lp_student=s.logprobs_at_ids,  # carries gradient (top-k KL objectives)
+        # the exact log-mass outside the teacher's top-K: the student's always (its logits are
+        # here), the teacher's only when its head is (a service gives lists only)
+        teacher_topk_tail_teacher=s.teacher_topk_tail,
+        teacher_topk_tail_student=s.tail_at_ids,
         student_topk_ids=s.topk_ids,
         student_topk_lp_student=None if s.topk_logprobs is None else s.topk_logprobs.detach(),
         student_topk_lp_teacher=s.teacher_logprobs_at_topk,

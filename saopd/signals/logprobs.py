@@ -14,7 +14,12 @@ over a vocabulary of V tokens (softmax at ``temperature`` tau):
   source's own K most probable ids and their log-probs (``top_k``; with a teacher also the
   teacher's log-probs at those ids), the teacher's K most probable ids and log-probs
   (``teacher_top_k``), and the source's log-probs at the teacher's top-K ids or at ids the caller
-  gives (``gather_ids``, e.g. from a teacher-scoring service's top-k answer).
+  gives (``gather_ids``, e.g. from a teacher-scoring service's top-k answer);
+- with those lists, the exact log-mass outside them (``saopd.signals.topk``'s tail bucket): the
+  source's outside the teacher's top-K or ``gather_ids`` (``tail_at_ids``) and the teacher's
+  outside its own top-K (``teacher_topk_tail``), logsumexps over the unlisted entries of each
+  chunk's float32 log-softmax. A tail of 1e-11 is resolved to float32's relative precision,
+  which the K listed probabilities (whose sum rounds to 1) cannot give.
 
 Top-k order and ties
 --------------------
@@ -50,6 +55,7 @@ u = z / tau (p = softmax(u), q the teacher's, y the target):
 
 - d lpS / du_v = 1[v = y] - p_v, and likewise d log p_i / du_v = 1[v = i] - p_v for the
   log-prob at any gathered id i (top-k and ``gather_ids`` outputs)
+- d log P_tail / du_v = 1[v not listed] p_v / P_tail - p_v for the tail outside a list
 - d H_S / du_v = -p_v (log p_v + H_S)
 - d KL / du_v  =  p_v (log p_v - log q_v - KL)
 
@@ -346,6 +352,14 @@ class TokenScores:
         teacher_topk_logprobs: float32, log pi_T at ``teacher_topk_ids`` (descending). Constant.
         logprobs_at_ids: float32, log pi_S at ``teacher_topk_ids`` or, when given, at the
             caller's ``gather_ids``, in their column order. Differentiable w.r.t. the source.
+
+    Tails, ``[B, T]`` float32, with the lists above (``None`` otherwise); ``-inf`` where the
+    list covers every id of nonzero probability:
+
+    Attributes:
+        tail_at_ids: log sum_{v not in ids} pi_S(v), the source's log-mass outside the ids of
+            ``logprobs_at_ids``. Differentiable w.r.t. the source.
+        teacher_topk_tail: log sum_{v not in teacher_topk_ids} pi_T(v). Constant.
     """
 
     logprobs: torch.Tensor
@@ -359,6 +373,8 @@ class TokenScores:
     teacher_topk_ids: torch.Tensor | None = None
     teacher_topk_logprobs: torch.Tensor | None = None
     logprobs_at_ids: torch.Tensor | None = None
+    tail_at_ids: torch.Tensor | None = None
+    teacher_topk_tail: torch.Tensor | None = None
 
 
 def default_chunk_size(vocab_size: int, budget_bytes: int = 256 * 2**20) -> int:
@@ -368,8 +384,9 @@ def default_chunk_size(vocab_size: int, budget_bytes: int = 256 * 2**20) -> int:
     Peak extra memory is a small multiple (about 4-6) of this block: the logits, log-probs,
     probabilities and one temporary, plus the teacher's block when a teacher is scored. Top-k
     outputs add about one block (a bool ``[chunk, V]`` mask per top-k list and ``torch.topk``'s
-    workspace) and, only in rows where ties straddle the K-th value, copies of at most 1/8 of
-    the chunk's rows with an int32 rank (``experiments/benchmarks/topk_memory.py`` measures it).
+    workspace, or the masked copy a tail's logsumexp reads, one at a time) and, only in rows
+    where ties straddle the K-th value, copies of at most 1/8 of the chunk's rows with an int32
+    rank (``experiments/benchmarks/topk_memory.py`` measures it).
     """
     for name, value in (("vocab_size", vocab_size), ("budget_bytes", budget_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -418,6 +435,13 @@ def _entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     with logp = -inf contribute 0 (not 0 * -inf = NaN); one temporary block."""
     terms = logp.exp().mul_(logp) if p is None else p * logp
     return terms.masked_fill_(torch.isneginf(logp), 0.0).sum(dim=-1).neg_()
+
+
+def _tail(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log sum_{v not in ids} exp(logp_v) per row of a ``[C, V]`` log-prob block (``ids``
+    ``[C, K]``): a logsumexp over a copy with the listed entries at ``-inf`` (float32); ``-inf``
+    where nothing of nonzero probability is left."""
+    return logp.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
 
 
 def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -472,6 +496,7 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
         "teacher_logprobs_at_topk": (k_s > 0 and has_teacher, (k_s,)),
         "teacher_topk_logprobs": (k_t > 0, (k_t,)),
         "logprobs_at_ids": (plan.gather or k_t > 0, (k_at,)),
+        "tail_at_ids": (plan.gather or k_t > 0, ()), "teacher_topk_tail": (k_t > 0, ()),
     }
     out = {name: torch.empty((n, *shape), dtype=torch.float32, device=device)
            for name, (want, shape) in wanted.items() if want}
@@ -490,6 +515,7 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
             out["topk_ids"][start:end] = s_ids
         if plan.gather:
             out["logprobs_at_ids"][start:end] = logp.gather(-1, gather_ids[start:end])
+            out["tail_at_ids"][start:end] = _tail(logp, gather_ids[start:end])
         p = logp.exp() if plan.kl else None
         if plan.entropy:
             out["entropy"][start:end] = _entropy(logp, p)
@@ -502,7 +528,9 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
         if k_t > 0:
             t_ids, out["teacher_topk_logprobs"][start:end] = _top_k(logq, k_t)
             out["teacher_topk_ids"][start:end] = t_ids
+            out["teacher_topk_tail"][start:end] = _tail(logq, t_ids)
             out["logprobs_at_ids"][start:end] = logp.gather(-1, t_ids)
+            out["tail_at_ids"][start:end] = _tail(logp, t_ids)
         if plan.teacher_entropy:
             out["teacher_entropy"][start:end] = _entropy(logq)
         if p is not None:  # KL terms p (log p - log q), 0 where p = 0 (also if log q = -inf)
@@ -513,8 +541,9 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
 
 _OUTPUTS = ("logprobs", "entropy", "teacher_logprobs", "teacher_entropy", "kl", "topk_ids",
             "topk_logprobs", "teacher_logprobs_at_topk", "teacher_topk_ids",
-            "teacher_topk_logprobs", "logprobs_at_ids")
-_DIFFERENTIABLE = ("logprobs", "entropy", "kl", "topk_logprobs", "logprobs_at_ids")
+            "teacher_topk_logprobs", "logprobs_at_ids", "tail_at_ids", "teacher_topk_tail")
+_DIFFERENTIABLE = ("logprobs", "entropy", "kl", "topk_logprobs", "logprobs_at_ids",
+                   "tail_at_ids")
 
 
 class _ChunkedScores(torch.autograd.Function):
@@ -544,27 +573,30 @@ class _ChunkedScores(torch.autograd.Function):
         )
         at_ids = gather_ids if plan.gather else out.get("teacher_topk_ids", empty_ids)
         ctx.save_for_backward(targets, out.get("entropy", empty), out.get("kl", empty),
-                              out.get("topk_ids", empty_ids), at_ids, *params)
+                              out.get("tail_at_ids", empty), out.get("topk_ids", empty_ids),
+                              at_ids, *params)
         return results
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
-        targets, entropy, kl, topk_ids, at_ids, *params = ctx.saved_tensors
+        targets, entropy, kl, tail, topk_ids, at_ids, *params = ctx.saved_tensors
         g = dict(zip(_OUTPUTS, grads, strict=True))
+        lists = plan.gather or plan.teacher_top_k > 0
         upstream = _Upstream(
             lp=g["logprobs"], entropy=g["entropy"] if plan.entropy else None,
             kl=g["kl"] if plan.kl else None,
             topk=g["topk_logprobs"] if plan.top_k > 0 else None,
-            at_ids=g["logprobs_at_ids"] if plan.gather or plan.teacher_top_k > 0 else None)
+            at_ids=g["logprobs_at_ids"] if lists else None,
+            tail=g["tail_at_ids"] if lists else None)
         needs = tuple(ctx.needs_input_grad[3:])
         if upstream.empty() or not any(needs):
             return (None, None, None, *([None] * len(params)))
         source = plan.source_type(*params)._fp32_params()
         with fp32_region(source.device):
-            grads_in = _backward_chunks(plan, source, targets, entropy, kl, topk_ids, at_ids,
-                                        tuple(params), needs, upstream)
+            grads_in = _backward_chunks(plan, source, targets, _Saved(entropy, kl, tail),
+                                        topk_ids, at_ids, tuple(params), needs, upstream)
         return (None, None, None, *grads_in)
 
 
@@ -577,18 +609,30 @@ class _Upstream:
     kl: torch.Tensor | None  # [N]
     topk: torch.Tensor | None  # [N, K] of topk_logprobs
     at_ids: torch.Tensor | None  # [N, K] of logprobs_at_ids
+    tail: torch.Tensor | None  # [N] of tail_at_ids
 
     def empty(self) -> bool:
-        return all(v is None for v in (self.lp, self.entropy, self.kl, self.topk, self.at_ids))
+        return all(v is None for v in (self.lp, self.entropy, self.kl, self.topk, self.at_ids,
+                                       self.tail))
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """Per-position forward outputs the backward reuses (flat ``[N]``; empty when not
+    computed)."""
+
+    entropy: torch.Tensor
+    kl: torch.Tensor
+    tail: torch.Tensor  # tail_at_ids
 
 
 def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
-                     entropy: torch.Tensor, kl: torch.Tensor, topk_ids: torch.Tensor,
-                     at_ids: torch.Tensor, params: tuple[torch.Tensor | None, ...],
-                     needs: tuple[bool, ...], up: _Upstream) -> list[torch.Tensor | None]:
+                     saved: _Saved, topk_ids: torch.Tensor, at_ids: torch.Tensor,
+                     params: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...],
+                     up: _Upstream) -> list[torch.Tensor | None]:
     """The backward chunk loop of :class:`_ChunkedScores` (fp32 ``source``; flat ``[N]``
-    targets, saved entropy / KL, ``[N, K]`` top-k and gathered ids, upstream gradients);
-    returns the gradients of the source's tensors.
+    targets, saved entropy / KL / tail, ``[N, K]`` top-k and gathered ids, upstream
+    gradients); returns the gradients of the source's tensors.
 
     Every gathered log-prob (the target's, the top-k's, those at ``at_ids``) has
     d log p_i / du_v = 1[v = i] - p_v, so their part of the gradient is
@@ -604,12 +648,20 @@ def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
         # the gradient w.r.t. the scaled logits u = z / tau, built as one [chunk, V] block
         extra = None  # entropy and KL parts
         if up.entropy is not None:  # dH/du = -p (log p + H)
-            extra = (logp + entropy[rows, None]).mul_(p).masked_fill_(zero, 0.0)
+            extra = (logp + saved.entropy[rows, None]).mul_(p).masked_fill_(zero, 0.0)
             extra.mul_(up.entropy[rows, None].neg())
         if up.kl is not None:  # dKL/du = p (log p - log q - KL)
             term = _chunk_log_probs(teacher, start, end, tau).neg_().add_(logp)
-            term.sub_(kl[rows, None]).mul_(p).masked_fill_(zero, 0.0)
+            term.sub_(saved.kl[rows, None]).mul_(p).masked_fill_(zero, 0.0)
             term.mul_(up.kl[rows, None])
+            extra = term if extra is None else extra.add_(term)
+            del term
+        if up.tail is not None:  # d log P_tail / du = 1[v not listed] p / P_tail - p
+            tail = saved.tail[rows, None]
+            finite = torch.isfinite(tail)  # -inf: nothing left outside the list, no gradient
+            g_tail = torch.where(finite, up.tail[rows, None], 0.0)
+            term = (logp - torch.where(finite, tail, 0.0)).exp_()
+            term.scatter_(-1, at_ids[rows], 0.0).sub_(p).mul_(g_tail)
             extra = term if extra is None else extra.add_(term)
             del term
         del logp, zero
@@ -690,18 +742,20 @@ def score_tokens(source: LogitSource, targets: torch.Tensor, *,
             (``teacher_logprobs_at_topk``); 0 = off.
         teacher_top_k: K > 0 (needs ``teacher``) also returns the teacher's top-K ids and
             log-probs (``teacher_topk_ids``, ``teacher_topk_logprobs``) and the source's
-            log-probs at those ids (``logprobs_at_ids``); 0 = off.
+            log-probs at those ids (``logprobs_at_ids``), with both log-masses outside them
+            (``teacher_topk_tail``, ``tail_at_ids``); 0 = off.
         gather_ids: integer ``[B, T, K]`` ids in ``[0, V)``: return the source's log-probs at
-            them (``logprobs_at_ids``), e.g. at the top-K ids a teacher-scoring service gave.
-            Exclusive with ``teacher_top_k``.
+            them (``logprobs_at_ids``) and its log-mass outside them (``tail_at_ids``), e.g. at
+            the top-K ids a teacher-scoring service gave. Exclusive with ``teacher_top_k``.
         temperature: tau > 0; every distribution is softmax(z / tau).
         chunk_size: positions per chunk; default :func:`default_chunk_size` (V).
 
     Returns:
         :class:`TokenScores` with float32 ``[B, T]`` (``[B, T, K]`` for top-k fields; int64
         ids) tensors on the source's device. When grad is enabled and the source's tensors
-        require grad, ``logprobs``, ``entropy``, ``kl``, ``topk_logprobs`` and
-        ``logprobs_at_ids`` are differentiable w.r.t. them (recomputing backward, flat memory).
+        require grad, ``logprobs``, ``entropy``, ``kl``, ``topk_logprobs``,
+        ``logprobs_at_ids`` and ``tail_at_ids`` are differentiable w.r.t. them (recomputing
+        backward, flat memory).
 
     Raises:
         ValueError: bad source/teacher type, mismatched shapes or devices, targets or
@@ -769,8 +823,9 @@ def score_tokens(source: LogitSource, targets: torch.Tensor, *,
     )
     flat = _ChunkedScores.apply(plan, targets.reshape(-1), flat_ids, *source._tensors())
     has_teacher = teacher is not None
+    at_ids = teacher_top_k > 0 or gather_ids is not None
     wanted = (True, entropy, has_teacher, teacher_entropy, kl, top_k > 0, top_k > 0,
-              top_k > 0 and has_teacher, teacher_top_k > 0, teacher_top_k > 0,
-              teacher_top_k > 0 or gather_ids is not None)
+              top_k > 0 and has_teacher, teacher_top_k > 0, teacher_top_k > 0, at_ids, at_ids,
+              teacher_top_k > 0)
     return TokenScores(*(value.view(*batch, *value.shape[1:]) if want else None
                          for value, want in zip(flat, wanted, strict=True)))

@@ -27,6 +27,13 @@ Columns are ordered by the owning model's log-prob, descending, ties by smaller 
 (``saopd.signals.logprobs``), so ``[..., :k]`` of a top-K group is the top-k group for k <= K.
 The ids of one position must be distinct (checked at valid positions).
 
+With the teacher's group, two optional ``[B, T]`` fields hold the exact log-mass outside its K
+ids, computed over the whole vocabulary where the logits were at hand (the chunked scoring):
+``teacher_topk_tail_teacher`` = log sum_{v not listed} pi_T(v) (absent when the teacher's lists
+came from a teacher-scoring service) and ``teacher_topk_tail_student`` = the same under pi_S
+(may carry gradient). Without them a tail is derived from the list alone, which cannot resolve
+a tail below ~1e-6 (``saopd.signals.topk``).
+
 Log-probabilities are stored in float32 whatever their input dtype (fp16/bf16 are upcast), and are
 clamped from below at :data:`LOGPROB_FLOOR`, so a teacher that gives a sampled token zero
 probability (log-prob ``-inf``) yields a large but finite divergence instead of ``inf``/``NaN``.
@@ -54,10 +61,15 @@ STUDENT_TOPK_FIELDS: tuple[str, ...] = ("student_topk_ids", "student_topk_lp_stu
 """The student's top-K group of :class:`TokenSignals` fields (given together or not at all)."""
 TOPK_FIELDS: tuple[str, ...] = TEACHER_TOPK_FIELDS + STUDENT_TOPK_FIELDS
 """Every ``[B, T, K]`` field of :class:`TokenSignals`."""
+TEACHER_TOPK_TAIL_FIELDS: tuple[str, ...] = ("teacher_topk_tail_teacher",
+                                             "teacher_topk_tail_student")
+"""The exact tails of the teacher's top-K group (``[B, T]``, each optional, only with the
+group)."""
 
 _LOGPROB_FIELDS = ("lp_student", "lp_teacher", "lp_student_res", "lp_teacher_res",
                    "lp_sampler", "lp_ref", "teacher_topk_lp_teacher", "teacher_topk_lp_student",
-                   "student_topk_lp_student", "student_topk_lp_teacher")
+                   "student_topk_lp_student", "student_topk_lp_teacher",
+                   *TEACHER_TOPK_TAIL_FIELDS)
 _NONNEG_FIELDS = ("entropy_student", "entropy_teacher", "kl")
 _ID_FIELDS = ("teacher_topk_ids", "student_topk_ids")
 
@@ -87,6 +99,10 @@ class TokenSignals:
         student_topk_ids: int64 ``[B, T, K']``, the student's K' most probable token ids.
         student_topk_lp_student: ``[B, T, K']`` log pi_S at ``student_topk_ids`` (descending).
         student_topk_lp_teacher: ``[B, T, K']`` log pi_T at ``student_topk_ids``.
+        teacher_topk_tail_teacher: log pi_T of every id outside ``teacher_topk_ids``, exact
+            (over the vocabulary); None when only the teacher's lists are known.
+        teacher_topk_tail_student: log pi_S of every id outside ``teacher_topk_ids``, exact;
+            may carry gradient (the student's full-context pass).
     """
 
     lp_student: torch.Tensor
@@ -105,6 +121,8 @@ class TokenSignals:
     student_topk_ids: torch.Tensor | None = None
     student_topk_lp_student: torch.Tensor | None = None
     student_topk_lp_teacher: torch.Tensor | None = None
+    teacher_topk_tail_teacher: torch.Tensor | None = None
+    teacher_topk_tail_student: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         valid = self.valid
@@ -123,6 +141,10 @@ class TokenSignals:
             if given and len(given) != len(group):
                 raise ValueError(
                     f"{list(group)} must be given together (one top-k group), got only {given}")
+        tails = [n for n in TEACHER_TOPK_TAIL_FIELDS if getattr(self, n) is not None]
+        if tails and self.teacher_topk_ids is None:
+            raise ValueError(f"{tails} are the tails of the teacher's top-k group, which was "
+                             "not given")
         for f in fields(self):
             if f.name == "valid":
                 continue

@@ -1,38 +1,78 @@
-"""Divergences between two distributions known only on K candidate ids, the rest lumped.
+"""Divergences between two distributions known only on K candidate ids.
 
 A top-K list gives, at one position, K token ids and two models' log-probs at them (say
-``lp_p`` and ``lp_q``, ``[..., K]``). The remaining vocabulary is treated as one bucket, the
-*tail*, with probability ``P_tail = 1 - sum_k exp(lp_p[k])`` (and ``Q_tail`` likewise). The
-divergences here are exact KLs between these two (K + 1)-bucket distributions:
+``lp_p`` and ``lp_q``, ``[..., K]``). What happens to the rest of the vocabulary is a choice:
 
-    KL_K(P || Q) = sum_k p_k (log p_k - log q_k) + P_tail (log P_tail - log Q_tail)
+- **lumped** (:func:`bucket_kl`): the rest is one bucket, the *tail*, with probability
+  ``P_tail = 1 - sum_k exp(lp_p[k])`` (``Q_tail`` likewise), and the divergence is the exact KL
+  between these two (K + 1)-bucket distributions:
 
-It is >= 0, 0 iff the two agree on the K ids (and hence on the tail), and never larger than the
-full-vocabulary KL(P || Q) (lumping is a coarse-graining: the data-processing inequality). With
-K = V the tail is empty and KL_K is the full KL. This is the "tail lumped" choice of the top-k KL
-objectives (``saopd.objectives.topk_kl``) and of the top-k forward KL of Entropy-Aware OPD and
-Token Teachability (``BASELINES.md``); the other common choice, renormalising p and q over the K
-ids, drops the mass the student puts outside the teacher's top-K from the loss altogether.
+      KL_K(P || Q) = sum_k p_k (log p_k - log q_k) + P_tail (log P_tail - log Q_tail)
+
+  It is >= 0, 0 iff the two agree on the K ids (and hence on the tail), and never larger than
+  the full-vocabulary KL(P || Q) (lumping is a coarse-graining: the data-processing inequality).
+  With K = V the tail is empty and KL_K is the full KL. [ours]
+- **none** (:func:`truncated_kl`): ``sum_k p_k (log p_k - log q_k)``, the rest ignored: verl's
+  ``compute_forward_kl_topk`` with P the teacher. Not a divergence (it can be negative).
+- **renormalize** (:func:`renormalized_kl`): the KL between p and q each renormalised over the
+  K ids, ``p~ = softmax(lp_p)``: NeMo-RL's distillation loss with its default
+  ``zero_outside_topk: false``. Mass the student puts outside the K ids is not penalised.
+
+The tail's log-mass
+-------------------
+Computed from the list alone, ``log(1 - sum_k p_k)`` cannot resolve a small tail: the listed
+log-probs are float32 values (from float32 log-softmaxes of logits of magnitude ~10-100), each
+off by ~1e-7..1e-6 in relative mass, so a tail below ~1e-6 is indistinguishable from 0. The
+list-only tail (:func:`tail_log_mass`) is therefore computed in float64 with the listed mass
+capped at ``exp(LISTED_LOG_MASS_CAP)`` = 1 - 1e-6: a tail at or below 1e-6 becomes exactly
+``log1mexp(1e-6)`` ~ -13.8 (the floor; zero gradient there), never the -100 of
+``LOGPROB_FLOOR``, which would turn ``P_tail (log P_tail - log Q_tail)`` into ``P_tail (log
+P_tail + 100)``. Where the logits are at hand, the exact tail (a logsumexp over the unlisted
+logits, ``saopd.signals.logprobs``: ``tail_at_ids``, ``teacher_topk_tail``) is given to
+:func:`bucket_kl` instead (``tail_from`` / ``tail_to``) and no floor applies.
 
 Numerics: log-probs are expected already clamped at ``LOGPROB_FLOOR`` (as :class:`TokenSignals`
-stores them). The tail's log-mass is computed in float64 as log(-expm1(logsumexp(lp))) and
-clamped from below at ``LOGPROB_FLOOR`` too, so a tail that vanishes (K = V, or the K ids carry
-all the mass up to rounding) gives a finite value with zero gradient, never NaN. Results are
-float32; gradients flow into both arguments through ordinary autograd (the K-sized tensors are
-small; only the chunked scoring ever touches ``[., V]``).
+stores them). Sums run in float64; results are float32; gradients flow into every log-prob and
+tail argument through ordinary autograd (the K-sized tensors are small; only the chunked scoring
+ever touches ``[., V]``). Nothing here returns NaN for finite inputs.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from saopd.signals.token_signals import LOGPROB_FLOOR
+__all__ = [
+    "LISTED_LOG_MASS_CAP",
+    "LIST_TAIL_FLOOR",
+    "bucket_kl",
+    "prefix_tail",
+    "renormalized_kl",
+    "tail_floored",
+    "tail_log_mass",
+    "truncated_kl",
+    "union_mask",
+]
 
-__all__ = ["bucket_kl", "tail_log_mass", "union_mask"]
+LISTED_LOG_MASS_CAP: float = -1e-6
+"""The largest log listed mass a list alone is trusted with (mass 1 - 1e-6): the list-only tail
+is at least ``log(-expm1(-1e-6))`` ~ -13.8, i.e. a tail mass of 1e-6 (module docstring)."""
+LIST_TAIL_FLOOR: float = math.log(-math.expm1(LISTED_LOG_MASS_CAP))
+"""The list-only tail's floor, ``log(-expm1(LISTED_LOG_MASS_CAP))`` ~ -13.8155 nats."""
+
+
+def _listed_log_mass(logprobs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """float64 ``[...]``: log sum_k exp(logprobs[..., k]) over the unmasked columns."""
+    lp = logprobs.double()
+    if mask is not None:
+        lp = lp.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(lp, dim=-1)
 
 
 def tail_log_mass(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """log(1 - sum_k exp(logprobs[..., k])): the log-probability of every id not listed.
+    """log(1 - sum_k exp(logprobs[..., k])) from the list alone: the log-probability of every id
+    not listed, floored where the list cannot resolve it (module docstring).
 
     Args:
         logprobs: float ``[..., K]`` log-probs of K distinct ids under one distribution.
@@ -40,23 +80,49 @@ def tail_log_mass(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> t
             twice, see :func:`union_mask`).
 
     Returns:
-        float64 ``[...]``, clamped at ``LOGPROB_FLOOR`` (a tail of mass below e^-100, or a sum
-        that reaches 1 by rounding, gives ``LOGPROB_FLOOR`` with zero gradient).
+        float64 ``[...]``, at least ``log(-expm1(LISTED_LOG_MASS_CAP))`` ~ -13.8; where the
+        listed mass reaches 1 - 1e-6 (or 1, or above by rounding) the value is that floor with
+        zero gradient (:func:`tail_floored` says where).
     """
-    lp = logprobs.double()
+    listed = _listed_log_mass(logprobs, mask).clamp(max=LISTED_LOG_MASS_CAP)
+    return torch.log(-torch.expm1(listed))
+
+
+def tail_floored(logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[...]``: where :func:`tail_log_mass` returns its floor (the list's tail is at or
+    below the mass 1e-6 it can resolve)."""
+    return _listed_log_mass(logprobs, mask) >= LISTED_LOG_MASS_CAP
+
+
+def prefix_tail(logprobs: torch.Tensor, tail: torch.Tensor, k: int) -> torch.Tensor:
+    """The exact log tail of the first ``k`` columns of a list, from the exact log tail
+    ``tail`` ``[...]`` of all K columns: logsumexp of ``tail`` and ``logprobs[..., k:]``.
+
+    Returns float64 ``[...]`` (``tail`` itself, upcast, when ``k`` >= K); differentiable w.r.t.
+    both arguments."""
+    rest = logprobs[..., k:].double()
+    if rest.shape[-1] == 0:
+        return tail.double()
+    return torch.logsumexp(torch.cat([tail.double()[..., None], rest], dim=-1), dim=-1)
+
+
+def _check_pair(lp_from: torch.Tensor, lp_to: torch.Tensor) -> None:
+    if lp_from.shape != lp_to.shape:
+        raise ValueError(f"lp_from has shape {tuple(lp_from.shape)} but lp_to has "
+                         f"{tuple(lp_to.shape)}")
+
+
+def _listed_terms(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """float64 ``[...]``: sum over the unmasked columns of exp(a) (a - b)."""
+    terms = a.exp() * (a - b)
     if mask is not None:
-        lp = lp.masked_fill(~mask, float("-inf"))
-    listed = torch.logsumexp(lp, dim=-1)  # log of the listed mass, <= 0 up to rounding
-    # log(1 - e^x) = log(-expm1(x)); the double where keeps x = 0 (or > 0) out of the log, so
-    # neither the value nor the gradient ever sees log(0) = -inf
-    room = listed < 0
-    safe = torch.where(room, listed, torch.full_like(listed, -1.0))
-    tail = torch.log(-torch.expm1(safe))
-    return torch.where(room, tail, torch.full_like(tail, LOGPROB_FLOOR)).clamp(min=LOGPROB_FLOOR)
+        terms = torch.where(mask, terms, torch.zeros((), dtype=terms.dtype, device=terms.device))
+    return terms.sum(dim=-1)
 
 
-def bucket_kl(lp_from: torch.Tensor, lp_to: torch.Tensor,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+def bucket_kl(lp_from: torch.Tensor, lp_to: torch.Tensor, mask: torch.Tensor | None = None, *,
+              tail_from: torch.Tensor | None = None, tail_to: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """KL_K(P || Q) over K listed ids plus the lumped tail (the module docstring's formula).
 
     Args:
@@ -64,20 +130,39 @@ def bucket_kl(lp_from: torch.Tensor, lp_to: torch.Tensor,
         lp_to: float ``[..., K]``, log Q at the same ids, in the same column order.
         mask: optional bool ``[..., K]``; False entries are not listed (they belong to neither
             the sum nor the masses; used to drop ids listed twice, see :func:`union_mask`).
+        tail_from, tail_to: optional float ``[...]``, the exact log-mass of P / Q outside the
+            listed ids (computed over the whole vocabulary); a side without one takes the
+            list-only :func:`tail_log_mass` (floored at a tail mass of 1e-6).
 
     Returns:
-        float32 ``[...]``, differentiable w.r.t. both log-prob tensors. Entries with P = 0
-        contribute 0; inputs must be finite (clamp log-probs at ``LOGPROB_FLOOR`` first).
+        float32 ``[...]``, differentiable w.r.t. every tensor argument. Entries with P = 0
+        contribute 0; inputs must be finite (clamp log-probs at ``LOGPROB_FLOOR`` first). With
+        both tails exact (or resolvable) the value is >= 0 up to rounding; a floored tail can
+        make it slightly negative (by about the floor's 1e-6 mass).
     """
-    if lp_from.shape != lp_to.shape:
-        raise ValueError(f"lp_from has shape {tuple(lp_from.shape)} but lp_to has "
-                         f"{tuple(lp_to.shape)}")
+    _check_pair(lp_from, lp_to)
     a, b = lp_from.double(), lp_to.double()
-    terms = a.exp() * (a - b)
-    if mask is not None:
-        terms = torch.where(mask, terms, torch.zeros((), dtype=terms.dtype, device=terms.device))
-    tail_a, tail_b = tail_log_mass(a, mask), tail_log_mass(b, mask)
-    return (terms.sum(dim=-1) + tail_a.exp() * (tail_a - tail_b)).float()
+    t_a = tail_log_mass(a, mask) if tail_from is None else tail_from.double()
+    t_b = tail_log_mass(b, mask) if tail_to is None else tail_to.double()
+    return (_listed_terms(a, b, mask) + t_a.exp() * (t_a - t_b)).float()
+
+
+def truncated_kl(lp_from: torch.Tensor, lp_to: torch.Tensor) -> torch.Tensor:
+    """``sum_k p_k (log p_k - log q_k)`` over the K listed ids, nothing for the rest (verl's
+    top-k forward KL with P the teacher). float ``[..., K]`` each -> float32 ``[...]``,
+    differentiable w.r.t. both; can be negative."""
+    _check_pair(lp_from, lp_to)
+    return _listed_terms(lp_from.double(), lp_to.double(), None).float()
+
+
+def renormalized_kl(lp_from: torch.Tensor, lp_to: torch.Tensor) -> torch.Tensor:
+    """KL(P~ || Q~) with P~ = softmax(lp_from), Q~ = softmax(lp_to) over the K listed ids
+    (NeMo-RL's default). float ``[..., K]`` each -> float32 ``[...]`` >= 0, differentiable
+    w.r.t. both."""
+    _check_pair(lp_from, lp_to)
+    a = torch.log_softmax(lp_from.double(), dim=-1)
+    b = torch.log_softmax(lp_to.double(), dim=-1)
+    return _listed_terms(a, b, None).float()
 
 
 def union_mask(first_ids: torch.Tensor, second_ids: torch.Tensor) -> torch.Tensor:

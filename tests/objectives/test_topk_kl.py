@@ -1,4 +1,5 @@
-"""Top-k KL objectives (forward / reverse, tail lumped) and Entropy-Aware OPD, by hand."""
+"""Top-k KL objectives (forward / reverse; tail lumped, none or renormalised) and Entropy-Aware
+OPD, by hand. Against a float64 full-vocabulary reference: tests/signals/test_topk_tails.py."""
 
 from __future__ import annotations
 
@@ -55,6 +56,48 @@ def test_topk_kl_by_hand(direction: str, value: float) -> None:
     # zero KL at [0, 1] (zero gradient up to rounding); padding carries no gradient
     torch.testing.assert_close(grad[0, 1:], torch.zeros(2, 2), atol=1e-12, rtol=0)
     assert torch.equal(grad[0, 2], torch.zeros(2))
+
+
+# [0, 0] with tail none (verl): q = [0.5, 0.25], p = [0.125, 0.25], the tail dropped
+NONE_00 = {"forward": 0.5 * LN(0.5 / 0.125), "reverse": 0.125 * LN(0.125 / 0.5)}
+# renormalize (NeMo-RL): q~ = [2/3, 1/3], p~ = [1/3, 2/3]; both directions give ln(2) / 3
+RENORM_00 = {"forward": LN(2) / 3, "reverse": LN(2) / 3}
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize(("tail", "values"), [("none", NONE_00), ("renormalize", RENORM_00)])
+def test_released_tail_modes_by_hand(direction: str, tail: str, values: dict) -> None:
+    s = _signals()
+    keep = build_filter("none")(s)
+    out = build_objective("topk_kl", direction=direction, top_k=2, tail=tail)(s, keep)
+    torch.testing.assert_close(out.loss[0, 0], torch.tensor(values[direction]), rtol=1e-6,
+                               atol=1e-7)
+    assert abs(out.loss[0, 1].item()) < 1e-6  # the two agree at [0, 1]
+    assert set(out.metrics) == {f"kl_topk_{direction}", "kl_sampled"}  # no tail to report
+    out.loss.sum().backward()
+    expected = {("none", "forward"): [-0.5, -0.25],  # d/d lp_k = -q_k
+                ("renormalize", "forward"): [-1 / 3, 1 / 3]}  # p~ - q~
+    if (tail, direction) in expected:
+        torch.testing.assert_close(s.leaf.grad[0, 0], torch.tensor(expected[tail, direction]))
+    with pytest.raises(ValueError, match="tail must be one of"):
+        build_objective("topk_kl", tail="dropped")
+
+
+def test_tail_metrics_say_where_a_list_only_tail_was_floored() -> None:
+    """No exact tails in these signals (as from a teacher-scoring service): the teacher's tail
+    is from its list; at [0, 1] the teacher's list is made to hold all its mass."""
+    s = _signals()
+    assert s.teacher_topk_lp_teacher is not None
+    s.teacher_topk_lp_teacher[0, 1] = torch.tensor([0.9, 0.1]).log()
+    keep = build_filter("none")(s)
+    out = build_objective("topk_kl", direction="reverse", top_k=2)(s, keep)
+    assert out.metrics["topk_tail_exact_teacher"].item() == 0.0
+    assert out.metrics["topk_tail_floored"].item() == 0.5  # one of the two valid positions
+    # reverse at [0, 1]: p = [0.6, 0.3], P_tail = 0.1 against the floored Q_tail = 1e-6
+    expected = 0.6 * LN(0.6 / 0.9) + 0.3 * LN(0.3 / 0.1) + 0.1 * (LN(0.1) - LN(1e-6))
+    assert out.loss[0, 1].item() == pytest.approx(expected, rel=1e-5)
+    ea = build_objective("entropy_aware", top_k=2)(s, keep)
+    assert ea.metrics["topk_tail_floored"].item() == 0.5
 
 
 def test_topk_kl_uses_the_first_k_columns() -> None:

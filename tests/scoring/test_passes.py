@@ -183,3 +183,32 @@ def test_same_tokenizer_teacher_contexts_score_exactly_as_before(setup):
     b = score_frozen(own, student=student, teacher=teacher, reference=None, needs=needs)
     for name in ("lp_teacher", "lp_teacher_res", "lp_student_res", "entropy_teacher"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_student_pass_carries_the_exact_tails_of_the_teacher_top_k(setup):
+    """With the teacher's head in the trainer both tails outside its top-K come from the whole
+    vocabulary (exp(tail) + the listed mass = 1); with a service's lists the student's tail
+    still does (same ids, same value) and the teacher's is absent, for the list-only floor."""
+    from saopd.scoring.passes import TeacherScores
+
+    tok, teacher, student, messages, responses = setup
+    batch = collate_contexts(tok, messages, responses)
+    needs = ScoringNeeds(teacher_top_k=4)
+    mask = batch.response_mask
+    with torch.no_grad():
+        local = score_student(batch, score_frozen(batch, student=student, teacher=teacher,
+                                                  reference=None, needs=needs),
+                              student=student, needs=needs)
+        for lp, tail in ((local.teacher_topk_lp_teacher, local.teacher_topk_tail_teacher),
+                         (local.teacher_topk_lp_student, local.teacher_topk_tail_student)):
+            total = lp.double().exp().sum(-1) + tail.double().exp()  # float32 pieces: ~1e-6
+            torch.testing.assert_close(total[mask], torch.ones_like(total[mask]), rtol=1e-5,
+                                       atol=0.0)
+        served = TeacherScores(lp_teacher=local.lp_teacher, topk_ids=local.teacher_topk_ids,
+                               topk_logprobs=local.teacher_topk_lp_teacher)
+        frozen = score_frozen(batch, student=student, teacher=None, reference=None, needs=needs,
+                              teacher_scores=served)
+        remote = score_student(batch, frozen, student=student, needs=needs)
+    assert remote.teacher_topk_tail_teacher is None
+    torch.testing.assert_close(remote.teacher_topk_tail_student[mask],
+                               local.teacher_topk_tail_student[mask], rtol=1e-6, atol=1e-6)
