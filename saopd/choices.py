@@ -17,6 +17,7 @@ __all__ = [
     "RESIDUAL_MODES",
     "SCHEDULES",
     "SYNC_TRANSPORTS",
+    "TEACHER_CONTEXTS",
     "TRUNCATION_MODES",
     "VISION_RESIDUAL_MODES",
     "VLLM_DTYPES",
@@ -42,6 +43,10 @@ LOGGERS = ("mlflow", "none")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: How weights reach a vLLM engine (``rollout.sync_transport``).
 SYNC_TRANSPORTS = ("auto", "iterator", "files")
+#: Which contexts the teacher scores (``teacher_contexts``; :mod:`saopd.models.vocab`): ``auto``
+#: (from the graded pair: the student's for ``same``, the teacher's own template otherwise),
+#: ``student`` (exactly the student's ids, as verl does) or ``own`` (always the teacher's own).
+TEACHER_CONTEXTS = ("auto", "student", "own")
 
 # ---- the one "prompt too long" vocabulary ------------------------------------------------
 #: What happens to a prompt longer than its limit, everywhere a limit applies:

@@ -63,7 +63,13 @@ from saopd.scoring.teacher_service import (
     check_servable,
 )
 from saopd.sweeps import is_multirun, record_job_failure, sweep_tags
-from saopd.tracking import default_tracking_uri, log_resolved_config, make_mlflow_logger, store_lock
+from saopd.tracking import (
+    default_tracking_uri,
+    log_params,
+    log_resolved_config,
+    make_mlflow_logger,
+    store_lock,
+)
 
 T = TypeVar("T")
 
@@ -140,13 +146,17 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
                  conf.teacher_scoring.backend, conf.teacher_scoring.top_k)
         pair = _checked("models", build_student_for_service, conf.student, conf.teacher,
                         chat_template_kwargs=conf.data.chat_template_kwargs,
+                        teacher_contexts=conf.teacher_contexts,
                         teacher_folder=conf.teacher_scoring.backend == "vllm",
                         folder_parent=conf.teacher_scoring.model_dir)
     else:
         pair = _checked("models", build_pair, conf.student, conf.teacher,
-                        chat_template_kwargs=conf.data.chat_template_kwargs)
+                        chat_template_kwargs=conf.data.chat_template_kwargs,
+                        teacher_contexts=conf.teacher_contexts)
     log.info("models ready in %.1f s; tokenizers: %s", time.perf_counter() - started,
-             pair.vocab.describe())
+             pair.vocab.describe(conf.teacher_contexts))
+    contexts_record = {"choice": conf.teacher_contexts, "pair_kind": pair.vocab.kind,
+                       "scored": pair.scored_contexts}
     records, data_counts = _checked("data", load_prompts, conf.data, pair.tokenizer,
                                     pair.processor)
     engine = _checked(
@@ -175,7 +185,8 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
             contexts=context_builder(
                 pair.tokenizer, pair.processor, residual_remove=conf.data.residual_remove,
                 chat_template_kwargs=conf.data.chat_template_kwargs,
-                teacher_tokenizer=pair.teacher_tokenizer if pair.vocab.teacher_contexts else None,
+                teacher_tokenizer=(pair.teacher_tokenizer if pair.scored_contexts == "own"
+                                   else None),
                 response_id_map=pair.vocab.response_id_map))
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
@@ -188,6 +199,9 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
         trainer = _checked("trainer", build_trainer, conf, out_dir, loggers=loggers,
                            callbacks=[*_callbacks(conf, engine, out_dir),
                                       *(extra_callbacks or [])])
+        if loggers:  # what the teacher scored (the choice itself is the config's param)
+            log_params(loggers[0], {f"teacher_contexts.{k}": v
+                                    for k, v in contexts_record.items() if k != "choice"})
         if loggers and ckpt is None:
             log_resolved_config(loggers[0], cfg)
             for name, value in data_counts.items():
@@ -209,7 +223,7 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
     evals = next((cb.results for cb in trainer.callbacks if isinstance(cb, EvalCallback)), {})
     summary = {"output_dir": str(out_dir), "steps": trainer.global_step, **run_info,
                "last_checkpoint": str(out_dir / "checkpoints" / "last.ckpt"),
-               "metrics": metrics, "data": data_counts,
+               "metrics": metrics, "data": data_counts, "teacher_contexts": contexts_record,
                "eval": {str(step): evals[step] for step in sorted(evals)},
                "seconds": round(time.perf_counter() - started, 1)}
     if trainer.is_global_zero:

@@ -10,6 +10,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from saopd.choices import TEACHER_CONTEXTS
 from saopd.config.data import DataConfig
 from saopd.config.eval import EvalConfig, EvalDuringTrainingConfig
 from saopd.config.model import ModelConfig
@@ -17,7 +18,7 @@ from saopd.config.rollout import RolloutConfig
 from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.config.teacher_scoring import TeacherScoringConfig
-from saopd.validation import check_int
+from saopd.validation import check_choice, check_int
 
 __all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config", "unknown_keys"]
 
@@ -61,6 +62,14 @@ class TrainConfig:
         teacher_scoring: where the teacher's log-probs come from (``conf/teacher_scoring``:
             ``hf`` in the trainer, ``vllm`` / ``vllm_server`` on vLLM;
             :class:`~saopd.config.teacher_scoring.TeacherScoringConfig`).
+        teacher_contexts: which contexts the teacher scores (:mod:`saopd.models.vocab`):
+            ``auto`` (from the graded pair: the student's contexts for a ``same`` pair, the
+            messages rendered in the teacher's own chat template for ``template_differs`` and
+            ``specials_differ``), ``student`` (exactly the student's ids, as verl does; refused
+            for ``specials_differ``, whose ids mean other tokens to the teacher) or ``own`` (the
+            teacher's own template always; text pairs only). The graded kind and what the
+            teacher scored are run params (``teacher_contexts.pair_kind``,
+            ``teacher_contexts.scored``) and in ``summary.json``.
         data, trainer, logger, optim, step, eval, paths: see their dataclasses.
     """
 
@@ -70,6 +79,7 @@ class TrainConfig:
     objective: dict[str, Any] = MISSING
     rollout: Any = MISSING  # one of the RolloutConfig subclasses (conf/rollout/<engine>.yaml)
     teacher_scoring: TeacherScoringConfig = field(default_factory=TeacherScoringConfig)
+    teacher_contexts: str = "auto"
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -89,6 +99,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_int("steps", self.steps)
         check_int("prompts_per_step", self.prompts_per_step)
+        check_choice("teacher_contexts", self.teacher_contexts, TEACHER_CONTEXTS)
         if not isinstance(self.rollout, RolloutConfig):
             raise ValueError("rollout must be one engine's config (conf/rollout/<engine>.yaml), "
                              f"got {type(self.rollout).__name__}")

@@ -294,8 +294,9 @@ class TextContexts:
         chat_template_kwargs: extra template variables, the same as the rollout engine's (e.g.
             ``{"enable_thinking": False}``), so the contexts render the prompt that was sampled;
             the teacher's template gets them too (Jinja ignores variables it does not use).
-        teacher_tokenizer: set when the teacher scores in its own chat template
-            (:attr:`saopd.models.vocab.VocabularyReport.teacher_contexts`): the batch then
+        teacher_tokenizer: set when the teacher scores in its own chat template (the run's
+            ``teacher_contexts`` resolved to ``own``:
+            :meth:`saopd.models.vocab.VocabularyReport.scored_contexts`): the batch then
             carries ``teacher`` contexts, the messages rendered with this tokenizer's template
             (full, and the residual with the teacher's own empty user turn) followed by the
             response ids mapped with ``response_id_map``. None = both score the student's.

@@ -105,12 +105,15 @@ class ModelPair:
         student, teacher: the two models (eval mode as built).
         tokenizer: the student's tokenizer (its ordinary-text ids are the teacher's).
         teacher_tokenizer: the teacher's own tokenizer; its chat template renders the
-            teacher's contexts when ``vocab.teacher_contexts``.
+            teacher's contexts when ``scored_contexts == "own"``.
         processor: the student's processor for a vision-language pair (the teacher's was
             checked equal), None for text pairs.
         vocab: the graded tokenizer check (:func:`~saopd.models.vocab.check_vocabularies`): its
             ``kind``, the response id map and ``common_logits``, the head width both models
             score over.
+        scored_contexts: what the teacher scores under the run's ``teacher_contexts``
+            (:meth:`~saopd.models.vocab.VocabularyReport.scored_contexts`): ``"student"`` (the
+            student's ids) or ``"own"`` (its own template, response ids mapped).
     """
 
     student: PreTrainedModel
@@ -119,6 +122,7 @@ class ModelPair:
     teacher_tokenizer: PreTrainedTokenizerBase
     processor: Any | None
     vocab: VocabularyReport
+    scored_contexts: str = "student"
     #: with a teacher-scoring service (:func:`build_student_for_service`): the teacher's model
     #: folder or hub id for vLLM (None when not asked for), and whether it is a temporary
     #: folder written here (the service removes it)
@@ -127,15 +131,16 @@ class ModelPair:
 
 
 def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> ModelPair:
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               teacher_contexts: str = "auto") -> ModelPair:
     """Build student and teacher and check that they can be distilled one into the other.
 
     Both must be text models or both vision-language models; a VLM pair's processors must agree
     (:func:`~saopd.models.vlm.check_same_processor`, rendering with ``chat_template_kwargs``),
     and every pair must pass the graded tokenizer check (:func:`check_vocabularies`: same
-    ordinary-text ids; templates and special tokens may differ for text pairs, and the teacher
-    then scores its own contexts). A vision-language pair must be of kind ``same``. Raises
-    ``ValueError`` saying which check failed.
+    ordinary-text ids; templates and special tokens may differ for text pairs). What the
+    teacher scores follows ``teacher_contexts`` (``auto`` | ``student`` | ``own``;
+    :func:`scored_contexts`). Raises ``ValueError`` saying which check failed.
     """
     if student_cfg.is_vision != teacher_cfg.is_vision:
         raise ValueError("student and teacher must both be vision-language models or both text "
@@ -152,12 +157,27 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
         student, tokenizer = build_model(student_cfg)
         teacher, teacher_tok = build_model(teacher_cfg)
     vocab = check_vocabularies(tokenizer, teacher_tok, student, teacher)
-    if processor is not None and vocab.teacher_contexts:
+    scored = scored_contexts(vocab, teacher_contexts, vision=processor is not None)
+    return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab, scored)
+
+
+def scored_contexts(vocab: VocabularyReport, teacher_contexts: str, *, vision: bool) -> str:
+    """What the teacher scores (``"student"`` | ``"own"``) for a graded pair under the run's
+    ``teacher_contexts`` (:meth:`VocabularyReport.scored_contexts`). Teacher-own contexts are
+    built for text pairs only: a vision-language pair that would need them is refused
+    (``ValueError``; under ``auto``, every kind but ``same``), and so is ``student`` for a
+    ``specials_differ`` pair."""
+    scored = vocab.scored_contexts(teacher_contexts)
+    if vision and scored == "own":
+        hints = {"same": "; this pair shares one template: use teacher_contexts=auto or student",
+                 "template_differs": "; teacher_contexts=student has the teacher score the "
+                                     "student's ids (the processor check found both templates "
+                                     "render a probe conversation to the same ids)"}
         raise ValueError(
-            "a vision-language teacher must share the student's tokenizer and chat template "
-            f"(this pair: {vocab.describe()}); teacher-own contexts are built for text pairs "
-            "only")
-    return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab)
+            f"this vision-language pair is {vocab.kind} and teacher_contexts={teacher_contexts} "
+            "has the teacher score its own contexts, which are built for text pairs only"
+            + hints.get(vocab.kind, ""))
+    return scored
 
 
 def _servable_as_is(cfg: ModelConfig) -> bool:
@@ -202,6 +222,7 @@ def _auto_config(location: str, cfg: ModelConfig) -> Any:
 
 def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
                               chat_template_kwargs: Mapping[str, Any] | None = None,
+                              teacher_contexts: str = "auto",
                               teacher_folder: bool = True,
                               folder_parent: str | Path | None = None) -> ModelPair:
     """The student and the teacher's tokenizer (processor) and config, checked as
@@ -277,12 +298,11 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
         student, tokenizer = build_model(student_cfg)
     # the teacher's head width from its config (no weights here)
     vocab = check_vocabularies(tokenizer, teacher_tok, student, SimpleNamespace(config=config))
-    if processor is not None and vocab.teacher_contexts:
+    try:
+        scored = scored_contexts(vocab, teacher_contexts, vision=processor is not None)
+    except ValueError:
         if owned and source is not None:
             shutil.rmtree(source, ignore_errors=True)
-        raise ValueError(
-            "a vision-language teacher must share the student's tokenizer and chat template "
-            f"(this pair: {vocab.describe()}); teacher-own contexts are built for text pairs "
-            "only")
-    return ModelPair(student, None, tokenizer, teacher_tok, processor, vocab,
+        raise
+    return ModelPair(student, None, tokenizer, teacher_tok, processor, vocab, scored,
                      teacher_source=source, teacher_source_owned=owned)

@@ -21,7 +21,16 @@ A pair is one of (``VocabularyReport.kind``):
   head is narrower than the tokenizer) is refused with a ``ValueError`` saying what differs.
 
 The decision is taken from the tokenizer files the user has (vocabulary, added tokens, chat
-template, and the tokenizers themselves on the probe corpus), not from model names.
+template, and the tokenizers themselves on the probe corpus), not from model names. Templates are
+compared as strings: two templates that render the same text for every chat still make a
+``template_differs`` pair, and so do two that differ only in a block the run never reaches.
+
+What the teacher then scores is the run's ``teacher_contexts`` choice
+(:meth:`VocabularyReport.scored_contexts`): ``auto`` follows the kind as above; ``student`` makes
+the teacher score exactly the student's ids (verl's on-policy distillation does this: one
+rendering, one id sequence, fed to both models), refused for ``specials_differ``, where those ids
+are other tokens to the teacher; ``own`` renders the teacher's contexts in its own template even
+for a ``same`` pair (then the same ids as the student's).
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from saopd.choices import TEACHER_CONTEXTS
+from saopd.validation import check_choice
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,18 +108,45 @@ class VocabularyReport:
 
     @property
     def teacher_contexts(self) -> bool:
-        """Whether the teacher must score its own contexts (its template, mapped ids)."""
+        """Whether ``teacher_contexts=auto`` has the teacher score its own contexts (its
+        template, mapped ids): every kind but ``same``."""
         return self.kind != "same"
 
-    def describe(self) -> str:
-        """One line for logs: the kind and what follows from it."""
+    def scored_contexts(self, choice: str = "auto") -> str:
+        """The contexts the teacher scores under the run's ``teacher_contexts`` ``choice``:
+        ``"student"`` (the student's ids) or ``"own"`` (its own template; module docstring).
+
+        Raises ``ValueError`` for ``choice="student"`` with a ``specials_differ`` pair (the
+        student's ids would be read as other tokens by the teacher), naming a renamed token.
+        """
+        check_choice("teacher_contexts", choice, TEACHER_CONTEXTS)
+        if choice == "auto":
+            return "own" if self.teacher_contexts else "student"
+        if choice == "student" and self.kind == "specials_differ":
+            examples = "; ".join(f"id {i} is {s!r} to the student and {t!r} to the teacher"
+                                 for i, s, t in self.renamed_specials[:2])
+            raise ValueError(
+                "teacher_contexts=student has the teacher score exactly the student's ids, but "
+                f"the two tokenizers differ (specials_differ: {len(self.renamed_specials)} "
+                f"special token(s) renamed, e.g. {examples}): the teacher would read another "
+                "text. Use teacher_contexts=auto or own (its own template, response ids mapped)")
+        return choice
+
+    def describe(self, choice: str = "auto") -> str:
+        """One line for logs: the kind and, under ``teacher_contexts=choice``, what the teacher
+        scores."""
+        scored = self.scored_contexts(choice)
         if self.kind == "same":
-            return "teacher and student share one tokenizer and chat template"
-        text = ("templates differ" if self.kind == "template_differs" else
+            text = "teacher and student share one tokenizer and chat template"
+        else:
+            text = f"{self.kind}: " + (
+                "templates differ" if self.kind == "template_differs" else
                 f"{len(self.renamed_specials)} special token(s) differ, ordinary text ids equal "
                 f"(checked on {self.probes} probe texts); response ids mapped "
                 f"{self.response_id_map}")
-        return f"{self.kind}: {text}; the teacher scores contexts in its own chat template"
+        where = ("the teacher scores the student's contexts" if scored == "student" else
+                 "the teacher scores contexts in its own chat template")
+        return f"{text}; {where} (teacher_contexts={choice})"
 
 
 def _output_vocab(model: nn.Module) -> int:
@@ -246,7 +285,8 @@ def check_vocabularies(
             "template_differs")
     if kind != "same":
         notes.append(
-            f"{kind}: the teacher scores the messages rendered with its own chat template ("
+            f"{kind}: under teacher_contexts=auto the teacher scores the messages rendered "
+            "with its own chat template ("
             + _template_head(teacher_tok) + "); rollouts and the student's contexts use the "
             "student's (" + _template_head(student_tok) + ")")
 
