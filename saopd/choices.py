@@ -14,6 +14,7 @@ __all__ = [
     "LOGGERS",
     "LONG_PROMPT_MODES",
     "PADDING_SIDES",
+    "RANK_OVER",
     "RESIDUAL_MODES",
     "SCHEDULES",
     "SYNC_TRANSPORTS",
@@ -27,6 +28,9 @@ __all__ = [
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum")
 #: SA-OPD's extreme set on the full-context divergence (``filter.extreme``).
 EXTREMES = ("abs", "two_sided")
+#: Which tokens SA-OPD's ranks are taken over: "valid" (the paper) or "divergent" (saopd's
+#: extension: |A_full| above the filter's divergence_floor).
+RANK_OVER = ("valid", "divergent")
 #: The residual context's task-free prefix (``step.residual``).
 RESIDUAL_MODES = ("empty_user", "response_only", "neutral_prompt")
 #: What a VLM residual removes from the prompt (``data.residual_remove``).

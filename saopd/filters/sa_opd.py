@@ -8,18 +8,24 @@ depends on the input (small input-grounding gap):
 
 with ``E = Top_p2(|A_full|)`` (``extreme="abs"``, Eq. 16) or ``Top_p2(A) ∪ Bottom_p2(A)``
 (``extreme="two_sided"``, Algorithm 2), rank-based over the valid tokens of the whole batch
-(:mod:`saopd.filters.ranks`). With a bound [beta_min, beta_max] on the filtered loss-mass ratio
-(Eq. 17-18), both ratios are scaled by a common alpha, p_i = clip(alpha * p_i^0, 0, 1), chosen by
-Algorithm 2's three branches. Ranks are computed once; the alpha searches only compare ranks.
+(:mod:`saopd.filters.ranks`). ``rank_over="divergent"`` is **saopd's extension, not the paper's
+rule**: both ranks are taken over the valid tokens with |A_full| > ``divergence_floor`` only (the
+tokens that carry divergence), so that tokens certain for both models, which have a near-zero gap
+and fill Bottom_p1 on low-entropy text, cannot crowd out the ones the rule is meant to find; FLMR
+stays a share of the whole batch's loss mass. With a bound [beta_min, beta_max] on the filtered
+loss-mass ratio (Eq. 17-18), both ratios are scaled by a common alpha,
+p_i = clip(alpha * p_i^0, 0, 1), chosen by Algorithm 2's three branches. Ranks are computed once;
+the alpha searches only compare ranks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from saopd.choices import EXTREMES
+from saopd.choices import EXTREMES, RANK_OVER
 from saopd.filters.base import (
     FILTERS,
     FLMR_EPS,
@@ -57,6 +63,14 @@ class SpuriousMask:
     branch: str
 
 
+def check_floor(divergence_floor: float, owner: str | None = None) -> None:
+    """``divergence_floor`` must be a finite number >= 0 (``ValueError`` naming it otherwise)."""
+    where = f"{owner}.divergence_floor" if owner else "divergence_floor"
+    if isinstance(divergence_floor, bool) or not isinstance(divergence_floor, (int, float)) \
+            or not math.isfinite(divergence_floor) or divergence_floor < 0:
+        raise ValueError(f"{where} must be a finite number >= 0 (nats), got {divergence_floor!r}")
+
+
 def _check_bounds(beta_min: float | None, beta_max: float | None) -> None:
     if beta_min is not None:
         check_fraction("beta_min", beta_min)
@@ -78,6 +92,8 @@ def spurious_token_mask(
     beta_min: float | None = None,
     beta_max: float | None = None,
     extreme: str = "abs",
+    rank_over: str = "valid",
+    divergence_floor: float = 0.0,
 ) -> SpuriousMask:
     """The SA-OPD filtered set F over a batch, with the optional adaptive FLMR bound.
 
@@ -96,6 +112,10 @@ def spurious_token_mask(
             bound on that side; with both ``None`` this is the fixed-ratio rule of Eq. 16.
         extreme: ``"abs"`` (Top_p2(|A|), Eq. 16) or ``"two_sided"`` (Top_p2(A) ∪ Bottom_p2(A),
             Algorithm 2).
+        rank_over: ``"valid"`` (the paper: p1, p2 are shares of V) or ``"divergent"`` (saopd's
+            extension: shares of the valid tokens with |A_full| > ``divergence_floor``; tokens at
+            or below the floor are never filtered). FLMR is over all of V either way.
+        divergence_floor: the floor on |A_full| (nats, >= 0) of ``rank_over="divergent"``.
 
     Returns:
         :class:`SpuriousMask` with ``.mask`` (True = filtered), ``.flmr`` and ``.alpha``.
@@ -110,6 +130,8 @@ def spurious_token_mask(
     check_fraction("p2", p2)
     _check_bounds(beta_min, beta_max)
     check_choice("extreme", extreme, EXTREMES)
+    check_choice("rank_over", rank_over, RANK_OVER)
+    check_floor(divergence_floor)
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
         raise ValueError("valid must be a bool tensor of the shape of a_full")
     check_same_shape("a_full", a_full, valid.shape, "valid")
@@ -129,6 +151,13 @@ def spurious_token_mask(
     abs_a = a.double().abs()  # float64, as filtered_loss_mass_ratio, so bound checks agree
     total = float(abs_a.sum()) + FLMR_EPS
     weight = abs_a / total  # path.mass(alpha) is then r(alpha) = FLMR(F_alpha)
+    ranked = None  # [N] bool: the tokens ranked (None = all of V, the paper's rule)
+    if rank_over == "divergent":
+        ranked = a.abs() > divergence_floor
+        a, d, weight = a[ranked], d[ranked], weight[ranked]
+        if a.numel() == 0:
+            branch = "within" if adaptive else "fixed"
+            return SpuriousMask(empty, 0.0, 1.0, p1, p2, branch)
     path = IntersectionPath(d, a, weight, p1, p2, extreme=extreme)
 
     alpha, branch = 1.0, "fixed"
@@ -151,9 +180,12 @@ def spurious_token_mask(
                 alpha, branch = grown, "grow"
 
     compact = path.mask(alpha)
+    flmr = float(weight[compact].sum())  # = filtered_loss_mass_ratio (Eq. 17), float64
+    if ranked is not None:  # back from the ranked tokens to V's compact order
+        compact = torch.zeros_like(ranked).masked_scatter(ranked, compact)
     return SpuriousMask(
         mask=scatter_valid(compact, valid),
-        flmr=float(weight[compact].sum()),  # = filtered_loss_mass_ratio (Eq. 17), float64
+        flmr=flmr,
         alpha=alpha,
         p1=min(max(alpha * p1, 0.0), 1.0),
         p2=min(max(alpha * p2, 0.0), 1.0),
@@ -172,6 +204,10 @@ class SAOPDParams:
         beta_max: upper FLMR bound (fraction; the paper's visual-understanding runs use 1.8
             points = 0.018), or None for the fixed-ratio rule.
         extreme: "abs" (Eq. 16) or "two_sided" (Algorithm 2).
+        rank_over: "valid" (the paper's rule: shares of all valid tokens) or "divergent"
+            (saopd's extension, not the paper's: shares of the valid tokens with
+            |A_full| > divergence_floor; see the module docstring).
+        divergence_floor: |A_full| floor in nats of ``rank_over="divergent"`` (>= 0).
     """
 
     p1: float = 0.2
@@ -179,6 +215,8 @@ class SAOPDParams:
     beta_min: float | None = None
     beta_max: float | None = None
     extreme: str = "abs"
+    rank_over: str = "valid"
+    divergence_floor: float = 0.05
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -186,6 +224,8 @@ class SAOPDParams:
         check_fraction("p2", self.p2, owner=owner)
         _check_bounds(self.beta_min, self.beta_max)
         check_choice("extreme", self.extreme, EXTREMES, owner=owner)
+        check_choice("rank_over", self.rank_over, RANK_OVER, owner=owner)
+        check_floor(self.divergence_floor, owner=owner)
 
     def spurious_mask(self, signals: TokenSignals, delta: torch.Tensor | None = None
                       ) -> SpuriousMask:
@@ -199,6 +239,8 @@ class SAOPDParams:
             beta_min=self.beta_min,
             beta_max=self.beta_max,
             extreme=self.extreme,
+            rank_over=self.rank_over,
+            divergence_floor=self.divergence_floor,
         )
 
 

@@ -273,3 +273,60 @@ def test_coinciding_breakpoints_jump_together() -> None:
     assert out.branch == "grow"
     assert out.mask[0].nonzero()[:, 0].tolist() == [0, 1, 2, 3, 5, 6]  # Bottom_6 ∩ Top_9
     assert count_for(0.1, 10, out.alpha) == 6 and count_for(0.15, 10, out.alpha) == 9
+
+
+def _certain_and_spurious_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[2, 20]: 14 tokens per row certain for both models (|A| and gap ~1e-4), 3 spurious
+    (|A| 2-3, gap 0.01-0.03) and 3 grounded (|A| 1.5-2.5, gap 1-2): low-entropy text."""
+    a = torch.full((2, 20), 1e-4)
+    gap = torch.full((2, 20), 1e-4)
+    a[:, 14:17] = torch.tensor([2.0, -3.0, 2.5])
+    gap[:, 14:17] = torch.tensor([0.01, 0.02, 0.03])
+    a[:, 17:] = torch.tensor([1.5, -2.5, 2.0])
+    gap[:, 17:] = torch.tensor([1.0, 2.0, 1.5])
+    return a, gap, torch.ones(2, 20, dtype=torch.bool)
+
+
+def test_divergent_ranks_find_what_certain_tokens_hide() -> None:
+    """The paper's rule ranks over all valid tokens: the 28 certain tokens fill Bottom_0.2(gap)
+    and nothing is removed. Ranked over |A| > floor (saopd's extension), the 12 divergent tokens
+    give k1 = floor(0.5 * 12) = 6 smallest gaps (the spurious ones) and k2 = floor(0.5 * 12) = 6
+    largest |A|: the spurious tokens with |A| >= 2.5 and the grounded ones outside Bottom_p1."""
+    a, gap, valid = _certain_and_spurious_batch()
+    paper = spurious_token_mask(a, gap, valid, p1=0.2, p2=0.3)
+    assert not paper.mask.any()
+    ext = spurious_token_mask(a, gap, valid, p1=0.5, p2=0.5, rank_over="divergent",
+                              divergence_floor=0.05)
+    # Top_6(|A|) of the 12: |A| = 3.0 x2, 2.5 x4 (spurious 15, 16 and grounded 18 per row);
+    # Bottom_6(gap): the 6 spurious; their intersection: positions 15 and 16 of each row
+    expected = torch.zeros(2, 20, dtype=torch.bool)
+    expected[:, 15:17] = True
+    assert torch.equal(ext.mask, expected)
+    assert not ext.mask[a.abs() <= 0.05].any()
+    assert ext.mask.any()
+    # FLMR is the share of the whole batch's |A| mass, certain tokens included
+    assert ext.flmr == pytest.approx(filtered_loss_mass_ratio(a, ext.mask, valid), rel=1e-6)
+    # the paper's rule at the same ratios: Top_20(|A|) of the 40 reaches into the certain tokens
+    # (ties), and Bottom_20(gap) is all certain: it removes certain tokens, no spurious one
+    paper = spurious_token_mask(a, gap, valid, p1=0.5, p2=0.5).mask
+    assert paper.any() and not paper[a.abs() > 0.05].any()
+
+
+def test_divergent_ranks_with_nothing_above_the_floor_filter_nothing() -> None:
+    a, gap, valid = _certain_and_spurious_batch()
+    out = spurious_token_mask(a, gap, valid, p1=0.5, p2=0.5, rank_over="divergent",
+                              divergence_floor=10.0, beta_min=0.05)
+    assert not out.mask.any() and out.flmr == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"rank_over": "some"}, "rank_over"),
+    ({"divergence_floor": -0.1}, "divergence_floor"),
+    ({"divergence_floor": float("nan")}, "divergence_floor"),
+])
+def test_bad_rank_options(kwargs: dict, match: str) -> None:
+    a, gap, valid = _certain_and_spurious_batch()
+    with pytest.raises(ValueError, match=match):
+        spurious_token_mask(a, gap, valid, p1=0.2, p2=0.3, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        build_filter("sa_opd", **kwargs)
