@@ -69,8 +69,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "END_OF_TURN_TOKENS",
+    "LEAN_DECODE_MODEL_TYPES",
     "HFGenerateEngine",
     "default_stop_token_ids",
+    "lean_decode",
 ]
 
 # Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
@@ -196,6 +198,86 @@ def _sharded_across_ranks(model: torch.nn.Module) -> bool:
     return world_size() > 1 and is_fsdp2(model)
 
 
+# Model families whose forward :func:`lean_decode` is tested to drive exactly as ``generate`` does
+# (tests/rollout/test_hf.py); others sample through ``model.generate``.
+LEAN_DECODE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
+
+
+def _warpers(temperature: float | None, top_p: float) -> list[Any]:
+    """HF's own sampling warpers, as ``generate`` builds them for ``do_sample=True, top_k=0``:
+    temperature (when not 1), then top-p (when below 1); none for greedy (``temperature``
+    None)."""
+    from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+    if temperature is None:
+        return []
+    out: list[Any] = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+    return out
+
+
+def lean_decode(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                *, max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
+                temperature: float | None, top_p: float = 1.0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample ``[R, T]`` new tokens and their raw log-probs, as ``model.generate`` does.
+
+    The same computation as ``generate(do_sample=..., temperature, top_p, top_k=0,
+    use_cache=True)`` (transformers 5.x), without its per-token machinery: one prefill of the
+    left-padded ``input_ids`` / ``attention_mask`` ``[R, W]`` with position ids
+    ``cumsum(mask) - 1`` (0 at pads), then one forward per token over the KV cache
+    (``logits_to_keep=1``), the raw float32 logits of the last position warped by HF's own
+    temperature / top-p warpers, ``softmax`` and ``torch.multinomial(probs, 1)`` (``argmax`` of
+    the raw logits when ``temperature`` is None: greedy). A row that has sampled a stop token
+    gets ``pad_token_id`` afterwards; decoding ends when every row has stopped or after
+    ``max_new_tokens`` steps. As in ``generate``, an all-ones mask is not passed to the model.
+    So the forwards, the probabilities and the RNG calls are those of ``generate``, in the same
+    order: for a fixed seed the tokens are the same (the tests check it).
+
+    Log-probs are ``log_softmax`` of the raw logits at each emitted token (pads included), as
+    the engine's recorder takes them. Returns ``(tokens [R, T] int64, logprobs [R, T]
+    float32)`` on the model's device, ``1 <= T <= max_new_tokens``. Call it under
+    ``torch.no_grad()`` with the model in eval mode.
+    """
+    rows = input_ids.shape[0]
+    device = input_ids.device
+    warpers = _warpers(temperature, top_p)
+    stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=device)
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+    mask: torch.Tensor | None = None if bool((attention_mask == 1).all()) else attention_mask
+    unfinished = torch.ones(rows, dtype=torch.long, device=device)
+    tokens: list[torch.Tensor] = []
+    logprobs: list[torch.Tensor] = []
+    ids, cache = input_ids, None
+    for _ in range(max_new_tokens):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1, return_dict=True)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # [R, V]
+        if temperature is None:
+            nxt = torch.argmax(logits, dim=-1)
+        else:
+            scores = logits
+            for warp in warpers:
+                scores = warp(ids, scores)
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+        nxt = nxt * unfinished + pad_token_id * (1 - unfinished)  # [R]
+        tokens.append(nxt)
+        logprobs.append(torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1))
+        unfinished = unfinished & ~torch.isin(nxt, stop)
+        if int(unfinished.max()) == 0:
+            break
+        ids = nxt[:, None]
+        position_ids = position_ids[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=-1)
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
 @ENGINES.register("hf")
 class HFGenerateEngine:
     """Samples rollouts from a live HF causal LM (the student being trained).
@@ -219,6 +301,10 @@ class HFGenerateEngine:
         processor: a Qwen-VL processor (:func:`saopd.models.vlm.load_vlm_processor`) for a
             vision-language student: chats may then hold image parts (module docstring). Its
             tokenizer must be ``tokenizer``.
+        lean_decode: sample text prompts of the model families in
+            :data:`LEAN_DECODE_MODEL_TYPES` with :func:`lean_decode` (the same tokens and
+            log-probs as ``model.generate``, several times less overhead per token); False =
+            always ``model.generate``.
 
     Generation runs under ``torch.no_grad()`` with the model in eval mode; each submodule's
     train/eval mode is restored afterwards. With ``SamplingParams.seed`` set, the CPU RNG and the
@@ -242,6 +328,7 @@ class HFGenerateEngine:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         processor: Any | None = None,
+        lean_decode: bool = True,
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(f"model must have a generate method, got {type(model).__name__}")
@@ -255,6 +342,7 @@ class HFGenerateEngine:
         self.max_prompt_length = _check_optional_int("max_prompt_length", max_prompt_length)
         self.prompt_truncation = prompt_truncation
         self.greedy = greedy
+        self.lean_decode = bool(lean_decode)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if eos_token_ids is not None:
             stop = tuple(dict.fromkeys(_as_id_list(eos_token_ids)))
@@ -384,6 +472,28 @@ class HFGenerateEngine:
             "mm_token_type_ids": types.to(device),
         }
 
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` left-padded: input ids and attention mask ``[R, W]`` (CPU, int64)."""
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, ids in enumerate(rows):
+            input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[j, width - len(ids) :] = 1
+        return input_ids, attention_mask
+
+    def uses_lean_decode(self) -> bool:
+        """Whether :meth:`generate` samples text prompts with :func:`lean_decode` instead of
+        ``model.generate`` (``lean_decode`` set, a model family the tests check it on
+        (:data:`LEAN_DECODE_MODEL_TYPES`), no processor, not FSDP-sharded across ranks)."""
+        if not self.lean_decode or self.processor is not None:
+            return False
+        config = getattr(self.model, "config", None)
+        if getattr(config, "model_type", None) not in LEAN_DECODE_MODEL_TYPES or getattr(
+                config, "is_encoder_decoder", False):
+            return False
+        return not _sharded_across_ranks(self.model)
+
     def _generate_rows(
         self, rows: list[list[int]], sampling: SamplingParams, device: torch.device,
         visions: Sequence[Any] | None = None,
@@ -393,12 +503,16 @@ class HFGenerateEngine:
         ``visions[j]``: row j's :class:`~saopd.prompts.vision.VisionPrompt` (or None)."""
         from transformers import LogitsProcessorList
 
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, ids in enumerate(rows):
-            input_ids[j, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[j, width - len(ids) :] = 1
+        input_ids, attention_mask = self._left_padded(rows)
+        width = input_ids.shape[1]
+        if self.uses_lean_decode() and not any(v is not None for v in visions or []):
+            tokens, logprobs = lean_decode(
+                self.model, input_ids.to(device), attention_mask.to(device),
+                max_new_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                pad_token_id=self.pad_token_id,
+                temperature=None if self.greedy else sampling.temperature,
+                top_p=sampling.top_p)
+            return tokens.cpu(), logprobs.float().cpu()
         config = self._generation_config(sampling)
         extra = self._vision_kwargs(visions or [], input_ids, device)
         recorder = _RawLogprobRecorder()
