@@ -152,6 +152,7 @@ from saopd.rollout.vllm_sync import (
 )
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
 from saopd.serving.vllm_runtime import (
+    cpu_kv_cache_bytes,
     engine_environment,
     preserve_process_state,
     require_vllm,
@@ -464,7 +465,10 @@ class VLLMEngine:
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache (on the CPU backend:
             of the machine's memory) in (0, 1].
         kv_cache_gb: KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``), overriding
-            ``gpu_memory_utilization``; handy on CPU where the fraction is of all RAM.
+            ``gpu_memory_utilization``. None on vLLM's CPU backend (where the fraction would be
+            of all RAM): sized from the free memory and the model
+            (:func:`~saopd.serving.vllm_runtime.cpu_kv_cache_bytes`), or refused before vLLM
+            starts (``ValueError`` naming ``rollout.kv_cache_gb``).
         enforce_eager: no CUDA graphs / torch.compile (faster start, slower decode).
         tensor_parallel_size: GPUs the engine shards the model over.
         enable_sleep_mode, sleep_level: sleep between rollouts (module docstring); level 1 or 2.
@@ -632,6 +636,14 @@ class VLLMEngine:
         }
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        elif "kv_cache_memory_bytes" not in (llm_kwargs or {}):
+            # on vLLM's CPU backend: sized from the free memory, not 90% of the machine's RAM
+            kv_bytes = cpu_kv_cache_bytes(str(model_dir), dtype=dtype,
+                                          max_model_len=max_model_len,
+                                          max_num_seqs=(llm_kwargs or {}).get("max_num_seqs"),
+                                          owner="rollout")
+            if kv_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = kv_bytes
         if processor is not None:  # images only; vLLM profiles memory for this many per prompt
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
         if colocated_tensor_parallel:

@@ -76,6 +76,7 @@ from saopd.scoring.passes import (
 from saopd.serving.http import JsonClient
 from saopd.serving.vllm_runtime import (
     LAUNCHER_VARIABLES,
+    cpu_kv_cache_bytes,
     preserve_process_state,
     require_vllm,
     shutdown_llm,
@@ -342,7 +343,10 @@ class VLLMTeacherScorer:
         model_dir: an HF model folder (or hub id) of the teacher, with its tokenizer.
         top_k: the top-k approximation's K (module docstring); 0 = sampled tokens only.
         dtype, max_model_len, gpu_memory_utilization, kv_cache_gb, enforce_eager,
-        tensor_parallel_size: the engine's (``vllm.LLM``'s) options.
+        tensor_parallel_size: the engine's (``vllm.LLM``'s) options. On vLLM's CPU backend
+            with no ``kv_cache_gb`` the KV cache is sized from the free memory and the model
+            (:func:`~saopd.serving.vllm_runtime.cpu_kv_cache_bytes`), or the engine is refused
+            before vLLM starts (``ValueError`` naming ``teacher_scoring.kv_cache_gb``).
         in_process: engine core in this process (else in its own: the default, so the
             teacher computes while the trainer does).
         devices: ``CUDA_VISIBLE_DEVICES`` of the engine core (its own GPUs); None = this
@@ -389,11 +393,19 @@ class VLLMTeacherScorer:
             # prompt_logprobs=K must be <= max_logprobs (vLLM's default 20)
             "max_logprobs": max(20, self.top_k),
         }
+        extra = dict(llm_kwargs or {})
         if kv_cache_gb is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
+        elif "kv_cache_memory_bytes" not in extra:  # on CPU: sized here, not 90% of the RAM
+            kv_bytes = cpu_kv_cache_bytes(self.model_dir, dtype=dtype,
+                                          max_model_len=max_model_len,
+                                          max_num_seqs=extra.get("max_num_seqs"),
+                                          owner="teacher_scoring")
+            if kv_bytes is not None:
+                kwargs["kv_cache_memory_bytes"] = kv_bytes
         if processor is not None:
             kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt, "video": 0}
-        kwargs.update(llm_kwargs or {})
+        kwargs.update(extra)
         env: dict[str, str | None] = {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
         if clean_environment:
