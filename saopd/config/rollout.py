@@ -98,10 +98,13 @@ class VLLMRolloutConfig(RolloutConfig):
             (verl, G-OPD); ``objective.importance_ratio_cap=null`` turns it off.
         dtype: ``auto`` (the student's) | ``float32`` | ``bfloat16`` | ``float16``.
         max_model_len: prompt + response limit (null = the model's).
-        gpu_memory_utilization: memory fraction for weights + KV cache, in (0, 1] (on the CPU
-            backend: of the machine's RAM).
-        kv_cache_gb: KV-cache size in GiB instead of the fraction (null = use the fraction; set
-            it on CPU, e.g. 1).
+        gpu_memory_utilization: memory fraction for weights + KV cache, in (0, 1] (GPU; on the
+            CPU backend it would be of the machine's RAM, and is not used: see kv_cache_gb).
+        kv_cache_gb: KV-cache size in GiB instead of the fraction. null: the fraction on GPU;
+            on vLLM's CPU backend saopd sizes the cache before vLLM starts (room for
+            ``max_num_seqs`` x ``max_model_len`` tokens, at most a quarter of the free memory
+            after the weights; :func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`) or
+            refuses the run naming this option.
         enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
         tensor_parallel_size: GPUs the engine shards the model over. With several training
             processes, t > 1 makes each group of t consecutive ranks share one engine sharded

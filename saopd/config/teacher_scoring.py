@@ -54,9 +54,13 @@ class TeacherScoringConfig:
             bucket for the rest of the vocabulary (a lower bound). Never used unless set.
         dtype (vllm): the engine's dtype; ``auto`` = the teacher config's ``dtype``.
         max_model_len (vllm): context limit of the engine (null = the model's).
-        gpu_memory_utilization (vllm): memory fraction for weights + KV cache (CPU backend: of
-            the machine's RAM; set ``kv_cache_gb`` there).
-        kv_cache_gb (vllm): KV-cache size in GiB instead of the fraction.
+        gpu_memory_utilization (vllm): memory fraction for weights + KV cache (GPU; not used on
+            the CPU backend, where it would be of the machine's RAM: see ``kv_cache_gb``).
+        kv_cache_gb (vllm): KV-cache size in GiB instead of the fraction. null on vLLM's CPU
+            backend: sized by saopd before vLLM starts (room for ``max_num_seqs`` x
+            ``max_model_len`` tokens, at most a quarter of the free memory after the weights;
+            :func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`), or the run is refused
+            naming this option.
         enforce_eager (vllm): no CUDA graphs / compilation.
         tensor_parallel_size (vllm): GPUs the teacher engine shards over.
         in_process (vllm): run the engine core in the training process (the default runs it
