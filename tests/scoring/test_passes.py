@@ -212,3 +212,54 @@ def test_student_pass_carries_the_exact_tails_of_the_teacher_top_k(setup):
     assert remote.teacher_topk_tail_teacher is None
     torch.testing.assert_close(remote.teacher_topk_tail_student[mask],
                                local.teacher_topk_tail_student[mask], rtol=1e-6, atol=1e-6)
+
+
+# ---- length buckets of right-padded CPU batches (bucketed_hidden) --------------------------------
+
+
+def test_length_buckets_cover_every_row_once_shortest_first():
+    from saopd.scoring.passes import length_buckets
+
+    lengths = torch.tensor([5, 40, 7, 41, 6, 39, 8, 42])
+    groups = length_buckets(lengths, max_buckets=4, forward_cost=0)
+    rows = torch.cat(groups)
+    assert sorted(rows.tolist()) == list(range(len(lengths)))
+    maxima = [int(lengths[g].max()) for g in groups]
+    assert maxima == sorted(maxima) and len(groups) > 1
+    assert len(length_buckets(lengths, max_buckets=1)) == 1
+    # a large fixed cost per forward keeps one group
+    assert len(length_buckets(lengths, max_buckets=4, forward_cost=10_000)) == 1
+
+
+@pytest.mark.parametrize("max_buckets", [1, 3])
+def test_bucketed_hidden_equals_one_padded_forward(setup, max_buckets):
+    """Rows grouped by length, cut and without the padding mask give the padded forward's
+    hidden states at the response positions: bit for bit with one group, within float rounding
+    with several; gradients too."""
+    from saopd.scoring.passes import bucketed_hidden, length_buckets
+
+    tok, _, student, messages, _ = setup
+    g = torch.Generator().manual_seed(1)
+    many = [messages[i % 3] for i in range(9)]
+    responses = [torch.randint(4, len(tok), (n,), generator=g).tolist()
+                 for n in (1, 90, 4, 77, 3, 85, 2, 80, 6)]
+    batch = collate_contexts(tok, many, responses)
+    ctx = batch.full
+    assert (len(length_buckets(ctx.lengths, max_buckets=max_buckets)) > 1) == (max_buckets > 1)
+    backbone = student.model
+    plain = backbone(**ctx.model_inputs(), use_cache=False).last_hidden_state
+    plain = plain.gather(1, ctx.gather_index[..., None].expand(-1, -1, plain.shape[-1]))
+    ours = bucketed_hidden(backbone, ctx, max_buckets=max_buckets)
+    mask = batch.response_mask
+    if max_buckets == 1:
+        assert torch.equal(ours[mask], plain[mask])
+    else:
+        torch.testing.assert_close(ours[mask], plain[mask], atol=1e-5, rtol=0)
+    weight = torch.randn(plain.shape, generator=g)
+    grads = []
+    for hidden in (plain, ours):
+        student.zero_grad(set_to_none=True)
+        (hidden[mask] * weight[mask]).sum().backward(retain_graph=True)
+        grads.append(student.model.layers[0].mlp.up_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
+    student.zero_grad(set_to_none=True)
