@@ -10,7 +10,9 @@ As in ``BASELINES.md`` [repro]; per valid token t, with K = ``top_k`` (16):
   (S_t the student's top-K), the share of the teacher's correction the student can absorb;
 - quantile normalisation over the valid tokens of the batch: x_norm = clip((x - Q_lo(x)) /
   (Q_hi(x) - Q_lo(x)), 0, 1) with Q the ``torch.quantile`` (linear interpolation, float64) at
-  ``quantile_low`` = 0.05 and ``quantile_high`` = 0.95; when Q_hi = Q_lo, x_norm = 1[x > Q_lo];
+  ``quantile_low`` = 0.05 and ``quantile_high`` = 0.95; when Q_hi - Q_lo is float32 rounding
+  noise of their magnitude (``saopd.filters.spread``: at most 16 eps * max(|Q_lo|, |Q_hi|), an
+  exact zero included), x counts as constant: x_norm = 1[x > Q_lo beyond that noise];
 - score s_t = D_norm * C_norm; keep the floor(``keep_ratio`` * N) tokens of the batch with the
   largest score (keep_ratio = 0.1; ties by position, row-major, as every rank set in saopd), then
   in every non-empty response that has no kept token, also keep its best-scoring token (the
@@ -41,6 +43,7 @@ from saopd.filters.base import (
     scatter_valid,
 )
 from saopd.filters.ranks import count_for, largest_k_mask
+from saopd.filters.spread import quantile_normalize
 from saopd.filters.tip import per_row_top_k
 from saopd.signals.token_signals import (
     STUDENT_TOPK_FIELDS,
@@ -49,20 +52,6 @@ from saopd.signals.token_signals import (
 )
 from saopd.signals.topk import bucket_kl, union_mask
 from saopd.validation import check_fraction, check_int
-
-
-def quantile_normalize(values: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """clip((x - Q_low) / (Q_high - Q_low), 0, 1) of a 1-D tensor ``[N]`` (float64 quantiles,
-    linear interpolation); a zero span gives 1[x > Q_low]. Empty in, empty out (float32)."""
-    if values.numel() == 0:
-        return values.float()
-    x = values.detach().double()
-    lo = torch.quantile(x, low)
-    hi = torch.quantile(x, high)
-    span = hi - lo
-    if float(span) > 0:
-        return ((x - lo) / span).clamp(0.0, 1.0).float()
-    return (x > lo).float()
 
 
 def _cut(signals: TokenSignals, names: tuple[str, ...], k: int) -> list[torch.Tensor]:

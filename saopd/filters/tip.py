@@ -2,7 +2,8 @@
 
 As reproduced in ``BASELINES.md`` (the official selector was not found):
 h = H_S / ln|Vocab| clipped at the batch's ``entropy_clip_quantile`` (98th percentile);
-d = per-token KL(pi_S || pi_T); both min-max normalised over the valid tokens of the batch;
+d = per-token KL(pi_S || pi_T); both min-max normalised over the valid tokens of the batch (a
+quantity whose spread is float32 rounding noise, ``saopd.filters.spread``, maps to zeros);
 score s = h + d - h*d (a soft OR); keep the top floor(rho * L_i) tokens of each response i.
 
 The division by ln|Vocab| is omitted because min-max normalisation cancels any positive scale.
@@ -21,15 +22,8 @@ from saopd.filters.base import (
     result_from_filtered,
     scatter_valid,
 )
+from saopd.filters.spread import min_max_normalize
 from saopd.validation import check_fraction
-
-
-def _min_max(x: torch.Tensor) -> torch.Tensor:
-    """Min-max normalise a 1-D tensor to [0, 1]; a constant tensor maps to zeros."""
-    lo, hi = x.min(), x.max()
-    span = hi - lo
-    return torch.where(span > 0, (x - lo) / span.clamp_min(torch.finfo(x.dtype).tiny),
-                       torch.zeros_like(x))
 
 
 def tip_scores(entropy_student: torch.Tensor, kl: torch.Tensor, valid: torch.Tensor, *,
@@ -40,7 +34,7 @@ def tip_scores(entropy_student: torch.Tensor, kl: torch.Tensor, valid: torch.Ten
     if h.numel() == 0:
         return torch.full(valid.shape, float("-inf"), device=valid.device)
     h = torch.minimum(h, torch.quantile(h, clip_quantile))
-    h, d = _min_max(h), _min_max(d)
+    h, d = min_max_normalize(h), min_max_normalize(d)
     s = h + d - h * d
     return torch.where(valid, scatter_valid(s, valid), torch.tensor(float("-inf"),
                                                                      device=valid.device))

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from saopd.filters import build_filter, teachability_scores
-from saopd.filters.teachability import quantile_normalize
+from saopd.filters.spread import SPREAD_NOISE_EPS, min_max_normalize, quantile_normalize
 from saopd.signals import TokenSignals
+from tests.helpers.tolerance import assert_float_close
 
 LN = math.log
 
@@ -54,12 +55,13 @@ def _qnorm(x: list[float]) -> list[float]:
 
 def test_scores_by_hand() -> None:
     parts = teachability_scores(_signals(), top_k=1)
-    torch.testing.assert_close(parts["disagreement"], torch.tensor(D), atol=1e-6, rtol=0)
-    torch.testing.assert_close(parts["compatibility"], torch.tensor(C), atol=1e-6, rtol=0)
+    # float32 results of float32 log-probs: 8 ulps of the values' magnitude (~1)
+    assert_float_close(parts["disagreement"], torch.tensor(D, dtype=torch.float64), ulps=8)
+    assert_float_close(parts["compatibility"], torch.tensor(C, dtype=torch.float64), ulps=8)
     score = [d * c for d, c in zip(_qnorm(D), _qnorm(C), strict=True)]
     # [0.7625, 0.0104, 0.0043, 0.0, 0.0]: the largest D (at [1, 1]) has C at the 5% quantile,
     # so its score is 0 ("incompatible disagreement")
-    torch.testing.assert_close(parts["score"], torch.tensor(score), atol=1e-6, rtol=0)
+    assert_float_close(parts["score"], torch.tensor(score, dtype=torch.float64), ulps=8)
     assert score[0] == pytest.approx(0.76246, abs=1e-5) and score[4] == 0.0
 
 
@@ -87,6 +89,57 @@ def test_quantile_normalisation_edges() -> None:
     x = torch.tensor([1.0] * 20 + [3.0])
     assert quantile_normalize(x, 0.05, 0.95).tolist() == [0.0] * 20 + [1.0]
     assert quantile_normalize(torch.zeros(0), 0.05, 0.95).numel() == 0
+
+
+# float32 values that are 1 in exact arithmetic: one ulp below, exactly, one ulp above
+NOISY_ONES = [0.99999994, 1.0, 1.0000001, 1.0, 0.99999994, 1.0000001, 1.0, 1.0]
+
+
+def test_a_spread_within_float32_noise_counts_as_constant() -> None:
+    x = torch.tensor(NOISY_ONES)
+    assert float(x.max() - x.min()) > 0  # a real, nonzero float32 spread
+    assert quantile_normalize(x, 0.05, 0.95).tolist() == [0.0] * len(NOISY_ONES)
+    assert min_max_normalize(x).tolist() == [0.0] * len(NOISY_ONES)
+    # an outlier beyond the noise still stands out; the noise around 1 still does not
+    with_outlier = torch.tensor(NOISY_ONES * 3 + [1.5])
+    assert quantile_normalize(with_outlier, 0.05, 0.95).tolist() == [0.0] * 24 + [1.0]
+    # the same values in float64 are far from float64's noise: normalised as a spread
+    wide = quantile_normalize(x.double(), 0.05, 0.95)
+    assert wide.min() == 0.0 and wide.max() == 1.0
+
+
+def test_a_spread_just_above_the_noise_is_normalised() -> None:
+    eps = torch.finfo(torch.float32).eps
+    step = 4 * SPREAD_NOISE_EPS * eps  # 4x the noise level at magnitude ~1
+    x = torch.tensor([1.0, 1.0 + step, 1.0 + 2 * step], dtype=torch.float64).float()
+    torch.testing.assert_close(min_max_normalize(x), torch.tensor([0.0, 0.5, 1.0]),
+                               rtol=0.0, atol=0.02)  # the step itself is rounded to float32
+    q = quantile_normalize(x, 0.0, 1.0)
+    assert q[0] == 0.0 and q[2] == 1.0 and 0.0 < q[1] < 1.0
+
+
+def test_compatibility_one_up_to_rounding_does_not_pick_tokens() -> None:
+    """A vocabulary of K = 4 ids, so the student's top-4 holds all of the teacher's mass at every
+    token: C = 1 in exact arithmetic, and float32 log-softmaxes spread it over a few ulps around
+    1. C then counts as constant (C_norm = 0: every score 0, ties by position), where stretching
+    the noise onto [0, 1] would rank the tokens by it."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 40, 4
+    lq = torch.log_softmax(3 * torch.randn(1, n, k, generator=g), -1)  # [1, n, K] float32
+    lp = torch.log_softmax(3 * torch.randn(1, n, k, generator=g), -1)
+    ids = torch.arange(k).expand(1, n, k)
+    s = TokenSignals(lp_student=lp[..., 0], lp_teacher=lq[..., 0],
+                     valid=torch.ones(1, n, dtype=torch.bool),
+                     teacher_topk_ids=ids, teacher_topk_lp_teacher=lq,
+                     teacher_topk_lp_student=lp, student_topk_ids=ids,
+                     student_topk_lp_student=lp, student_topk_lp_teacher=lq)
+    parts = teachability_scores(s, top_k=k)
+    c = parts["compatibility"]
+    assert 0 < float(c.max() - c.min()) <= 4 * torch.finfo(torch.float32).eps  # noise, not 0
+    assert float(parts["disagreement"].max() - parts["disagreement"].min()) > 0.1  # D varies
+    assert parts["score"].tolist() == [0.0] * n
+    kept = build_filter("teachability", keep_ratio=0.1, top_k=k)(s).keep
+    assert kept[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # ties by position
 
 
 def test_larger_k_in_the_signals_is_cut_and_smaller_refused() -> None:
