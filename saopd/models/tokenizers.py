@@ -94,8 +94,11 @@ _CHATML_BODY = (
 CHATML_CHAT_TEMPLATE = (
     _CHATML_BODY + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Qwen3 (hybrid and -2507 Instruct): ChatML, no default system prompt; enable_thinking=False adds
-# the empty think block that Qwen3's hybrid template adds.
+# Qwen3's hybrid models (Qwen3-1.7B, ...): ChatML, no default system prompt; enable_thinking=False
+# adds the empty think block. The non-thinking -2507 Instruct models' template has no such block
+# (as far as their model card and public copies say; not readable offline here): rendered
+# without tools it is CHATML_CHAT_TEMPLATE's text, so such a teacher with a hybrid student is a
+# template_differs pair (saopd.models.vocab; tests/models/test_teacher_contexts.py).
 QWEN3_CHAT_TEMPLATE = (
     _CHATML_BODY + "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}"
