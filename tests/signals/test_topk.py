@@ -103,7 +103,7 @@ def test_list_only_tail_is_floored_at_a_resolvable_mass_not_at_minus_100() -> No
     """A list whose float32 mass rounds to 1 gives the tail log(1e-6) ~ -13.8, the smallest a
     float32 list resolves (issue 25: it gave -100, so P_tail (log P_tail - log Q_tail) became
     P_tail (log P_tail + 100)); above the floor the tail is log(1 - sum) exactly."""
-    assert LIST_TAIL_FLOOR == pytest.approx(math.log(1e-6), rel=1e-6)
+    assert math.log(1e-6) == pytest.approx(LIST_TAIL_FLOOR, rel=1e-6)
     listed = torch.tensor([[0.0, -30.0], [math.log(0.5), math.log(0.25)],
                            [math.log1p(-2e-6), -40.0]], dtype=torch.float32)
     tails = tail_log_mass(listed)
