@@ -22,9 +22,14 @@ response positions (``gather_index``), and hands them with the LM-head weight to
 :func:`saopd.signals.score_tokens`, which computes log-probs/entropies/KL in chunks: no
 [B, T, V] logits are ever built. Models whose head is not a plain linear layer (logit soft-capping
 or scaling) fall back to their full logits, gathered at the response positions. On CPU a
-right-padded text batch is run in up to four groups of rows of similar length, each cut to its
-longest row and without the (redundant) padding mask (:func:`bucketed_hidden`): on the testbed
-that is a fifth to a quarter fewer positions per pass for the same values up to float rounding.
+right-padded text batch scored without gradient (the teacher's passes, the student's residual)
+runs without its (redundant) padding mask, cut to its longest row (:func:`bucketed_hidden`):
+the same hidden states bit for bit, ~10% less time per pass on the testbed (the pass with
+gradient keeps the mask: attention's backward without it differs by float rounding).
+Splitting the rows into groups of similar length (``MAX_LENGTH_BUCKETS > 1``) saves another
+fifth of the positions but changes the values by float rounding, which flips SA-OPD's
+rank-based filter on near-tied tokens and so changes a run's trajectory after some steps
+(docs/benchmarks.md, "The testbed step"): it is off by default.
 """
 
 from __future__ import annotations
@@ -45,11 +50,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 _HEAD_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-# Length bucketing of right-padded CPU batches (bucketed_hidden): at most this many forwards,
-# each counted as this many padded positions of fixed cost (measured on the testbed models:
-# docs/benchmarks.md, "The testbed step"). 0 switches it off: one padded forward with the mask,
-# as on GPUs.
-MAX_LENGTH_BUCKETS = 4
+# Right-padded CPU batches (bucketed_hidden): at most this many forwards over groups of rows of
+# similar length, each counted as this many padded positions of fixed cost. 1 (the default): one
+# forward without the padding mask, bit-identical to the masked one; > 1 saves positions but
+# changes values by float rounding (docs/benchmarks.md, "The testbed step"); 0: the masked
+# forward, as on GPUs.
+MAX_LENGTH_BUCKETS = 1
 BUCKET_FORWARD_COST = 64
 
 
@@ -231,8 +237,8 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
     changes its logits otherwise implements :class:`ResponseLogitSource`, which is used instead.
     With a plain head the head product is computed in fp32 by the signals layer even under
     autocast; a head with extra transforms runs inside the model, in the autocast dtype.
-    A right-padded text batch on CPU runs through :func:`bucketed_hidden` (rows grouped by
-    length, less padding; the same values up to float rounding).
+    A right-padded text batch on CPU without gradient runs through :func:`bucketed_hidden`
+    (no padding mask; with ``MAX_LENGTH_BUCKETS > 1`` rows grouped by length).
     """
     if isinstance(model, ResponseLogitSource):
         return model.response_logit_source(ctx, vocab_size=vocab_size)
@@ -241,8 +247,8 @@ def response_source(model: nn.Module, ctx: ContextBatch, *, vocab_size: int | No
         backbone = model.base_model if hasattr(model, "base_model") else model.model
         if is_fsdp2(model):
             hidden = _gather_rows(_sharded_hidden(model, backbone, ctx), index)
-        elif MAX_LENGTH_BUCKETS > 0 and ctx.input_ids.device.type == "cpu" and _right_padded(
-                ctx):
+        elif (MAX_LENGTH_BUCKETS > 0 and not torch.is_grad_enabled()
+              and ctx.input_ids.device.type == "cpu" and _right_padded(ctx)):
             hidden = bucketed_hidden(backbone, ctx)
         else:
             hidden = _gather_rows(backbone(**ctx.model_inputs(), use_cache=False)

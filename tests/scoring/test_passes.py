@@ -263,3 +263,20 @@ def test_bucketed_hidden_equals_one_padded_forward(setup, max_buckets):
         grads.append(student.model.layers[0].mlp.up_proj.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], atol=1e-4, rtol=1e-4)
     student.zero_grad(set_to_none=True)
+
+
+def test_default_frozen_passes_are_bit_identical_to_masked_forwards(setup, monkeypatch):
+    """By default (MAX_LENGTH_BUCKETS = 1) the passes without gradient drop the padding mask
+    on CPU, and give exactly the masked forwards' scores."""
+    import saopd.scoring.passes as scoring
+
+    tok, teacher, student, messages, responses = setup
+    batch = collate_contexts(tok, messages, responses)
+    needs = ScoringNeeds(residual=True, teacher_entropy=True)
+    kw = dict(student=student, teacher=teacher, reference=None, needs=needs)
+    assert scoring.MAX_LENGTH_BUCKETS == 1
+    ours = score_frozen(batch, **kw)
+    monkeypatch.setattr(scoring, "MAX_LENGTH_BUCKETS", 0)
+    masked = score_frozen(batch, **kw)
+    for name in ("lp_teacher", "lp_teacher_res", "lp_student_res", "entropy_teacher"):
+        assert torch.equal(getattr(ours, name), getattr(masked, name)), name
