@@ -53,6 +53,26 @@ test: setup
 	$(VPY) -m pytest -q -n 2 || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; \
 	  exit $$rc; }
 
+# The numeric suites a second time under other CPU kernels and another torch thread count than
+# `make test`'s (-n 2: nproc/2 threads per worker): ATen's portable `default` kernels and, on a
+# CPU with AVX-512, the AVX2 ones (another GEMM blocking and summation order), so a tolerance
+# that holds only on this CPU fails here first. `slow` (the 2-rank gloo test, which compares
+# ranks on one machine exactly) is left out. OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep
+# instead of spinning, which on busy cores made 2 threads ~7x slower than 1 (a scheduling
+# setting; no result changes). On the 2-core development machine (load ~5 from other jobs):
+# 54 s for both kernel sets, 353 tests each (18 s in pytest per set).
+NUMERIC_SUITES := tests/signals tests/objectives tests/filters tests/scoring
+.PHONY: test-numeric
+test-numeric: setup
+	@kernels=default; grep -qw avx512f /proc/cpuinfo 2>/dev/null && kernels="default avx2"; \
+	main=$$(( $$(getconf _NPROCESSORS_ONLN) / 2 )); \
+	threads=$$([ "$$main" -eq 2 ] && echo 1 || echo 2); \
+	for k in $$kernels; do \
+	  ATEN_CPU_CAPABILITY=$$k SAOPD_TEST_THREADS=$$threads OMP_WAIT_POLICY=PASSIVE \
+	    $(VPY) -m pytest -p no:xdist \
+	    -m "not slow" $(NUMERIC_SUITES) || exit $$?; \
+	done
+
 # the real-vLLM tests (tests/integration/vllm/; skipped in the main venv, which has no vllm)
 test-vllm: setup-vllm
 	$(VLLM_PY) -m pytest -q -p no:xdist tests/integration/vllm

@@ -21,6 +21,18 @@ from saopd.train import CONF_DIR
 if os.environ.get("PYTEST_XDIST_WORKER"):
     _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _workers)))
+# SAOPD_TEST_THREADS=n sets torch's threads outright: `make test-numeric` re-runs the numeric
+# suites at another thread count (reductions split over other chunks) than `make test`'s
+if os.environ.get("SAOPD_TEST_THREADS"):
+    torch.set_num_threads(int(os.environ["SAOPD_TEST_THREADS"]))
+
+
+def pytest_report_header() -> str:
+    """The CPU kernels and threads the float results come from (``make test-numeric`` varies
+    both)."""
+    return (f"torch {torch.__version__}: ATen CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
+
 
 ALL_FIELDS = ("lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher",
               "lp_sampler", "lp_ref", "kl")

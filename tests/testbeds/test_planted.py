@@ -16,6 +16,7 @@ from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.scoring.passes import ScoringNeeds, response_source, score_frozen, score_student
 from saopd.signals import LMHead, score_tokens
 from saopd.testbeds.planted import PlantedPriorLM, plant_priors, single_token_ids
+from tests.helpers.tolerance import assert_float_close
 
 SPURIOUS = [" so", " therefore", " step", " first", " finally"]
 PROMPTS = ["Alice has 3 apples and buys 2 more books.", "Bob sells 7 marbles to Maria."]
@@ -116,7 +117,9 @@ def test_head_rows_can_be_sliced_like_a_plain_head(base, tok):
         whole = score_tokens(src, batch.response_ids).logprobs
         second = dataclasses.replace(src, hidden=src.hidden[1:2])
         part = score_tokens(second, batch.response_ids[1:2]).logprobs
-    torch.testing.assert_close(part, whole[1:2], atol=1e-6, rtol=0)
+    # one row through the head's GEMM instead of two: another row blocking (and summation order
+    # on some CPUs' kernels), so a few float32 ulps of the log-probs' magnitude, not a fixed 1e-6
+    assert_float_close(part, whole[1:2], ulps=8)
 
 
 def signals_against(model, base, batch):
