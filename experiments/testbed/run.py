@@ -1,22 +1,27 @@
 """The arithmetic testbed end to end: models, studies, tables and figures (``make testbed``).
 
-1. ``dvc repro testbed_student testbed_teacher`` (data, teacher and student; cached);
-2. reference rows: the untrained student and the teacher on the held-out benchmark ``arith``
+1. ``dvc repro`` of the testbed's stages (data, the prior teacher, its clean control and the
+   student; nothing to do on a fresh clone: their outputs are in git);
+2. reference rows: the untrained student and both teachers on the held-out benchmark ``arith``
    (the same evaluation as during training, one sampling seed per study seed);
 3. each study as a user runs it: ``saopd-train -m experiment=testbed study=<study>`` (MLflow,
    tagged ``study=<study>``; ``--jobs`` runs in parallel through Hydra's joblib launcher, one
    torch thread each), the student evaluated before the first step and every 25 steps. The
-   method lists (:data:`SWEEPS`): ``baselines`` runs the study's seven methods plus SA-OPD with
-   Algorithm 2's FLMR floor (``method=sa_opd_floor``, 5%); ``ablation_filters`` runs Table 3's
-   four ablations calibrated to that floored SA-OPD's share (at the paper's p1/p2 SA-OPD removes
-   ~0.04% of this task's tokens, so every calibrated ablation would too), and its table takes
-   the OPD and floored SA-OPD rows from the ``baselines`` runs (the same runs, not re-run);
+   studies (:data:`SWEEPS`): ``teacher_control`` is vanilla OPD from the clean teacher (the
+   control: OPD(clean)); ``baselines`` runs every method from the prior teacher: OPD (OPD(prior)),
+   SA-OPD as the paper configures it, saopd's divergent-ranks variant (not the paper's), SA-OPD
+   with Algorithm 2's FLMR floor, and the baselines; ``ablation_filters`` runs Table 3's four
+   ablations calibrated to the divergent-ranks SA-OPD's share per batch; ``p1p2_grid`` trains
+   the paper's SA-OPD at its p1 x p2 grid; tables borrow rows from other studies' runs (the same
+   runs, not re-run);
 4. per study: ``saopd-report`` (accuracy, mean ± 95% CI) and this script's own tables: accuracy,
-   habit rates, filtered share, FLMR and the filter's selection by ground-truth source
-   (:mod:`saopd.testbeds.arithmetic`, from each run's token records), plus figures of accuracy
-   and habit rates over steps per method; all into ``experiments/testbed/results/``.
+   the shortcut's rate and the accuracy on each side of it, habit rates, filtered share, FLMR,
+   each method's paired difference to OPD(prior) over the same seeds and the share of the harm
+   OPD(clean) - OPD(prior) it recovers, and the filter's selection by ground-truth source
+   (:mod:`saopd.testbeds.arithmetic`, from each run's token records), plus figures over steps;
+   all into ``experiments/testbed/results/`` (``results.json`` holds every seed's numbers).
 
-    .venv/bin/python experiments/testbed/run.py                      # everything (~1 h, 2 CPUs)
+    .venv/bin/python experiments/testbed/run.py                      # everything
     .venv/bin/python experiments/testbed/run.py --studies baselines --skip-train   # tables only
 """
 
@@ -44,19 +49,35 @@ EXPERIMENT_YAML = REPO / "conf" / "experiment" / "testbed.yaml"
 EVAL: dict[str, Any] = dict(yaml.safe_load(EXPERIMENT_YAML.read_text(encoding="utf-8"))["eval"])
 #: The accuracy metric of the runs' evaluations (Avg@k, the experiment's eval.k).
 ACCURACY = f"eval/arith/avg_at_{EVAL['k']}"
+#: The shortcut's metrics (the harmful prior): its rate in the student's samples and the
+#: accuracy of the samples that took it and of those that did not; the same keys of the
+#: reference rows.
+SHORTCUT_KEYS = ["eval/arith/shortcut", "eval/arith/acc_shortcut", "eval/arith/acc_worked"]
+REF_SHORTCUT = ["shortcut", "acc_shortcut", "acc_worked"]
 #: (p1, p2) at which SA-OPD's rule is re-applied to the SA-OPD runs' token records: the paper's
 #: ratios, the paper's p1/p2 grid corners, and wider p1 (what it takes to reach past the tokens
 #: both models are certain of).
 RATIOS = [(0.2, 0.3), (0.1, 0.2), (0.3, 0.4), (0.5, 0.1), (0.5, 0.3), (0.8, 0.1), (0.8, 0.3)]
+#: The seeds of every study (each method row has this many runs).
+SEEDS = "0,1,2,3,4"
+#: The label of the control's runs (vanilla OPD from the clean teacher) and of OPD from the prior
+#: teacher: the harm is the difference of the two.
+CONTROL, OPD_PRIOR = "OPD (clean teacher)", "OPD"
 #: The sweep of each study: its saopd-train overrides, and the rows its tables borrow from
 #: another study's runs (label -> study).
 SWEEPS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "baselines": (["method=opd,exopd,tip,fire_opd,teachability,entropy_aware,sa_opd,"
-                   "sa_opd_floor"], {}),
+    "teacher_control": (["method=opd", "model@teacher=testbed_teacher"], {}),
+    "baselines": (["method=opd,sa_opd,sa_opd_divergent,sa_opd_floor,exopd,tip,fire_opd,"
+                   "teachability,entropy_aware"], {CONTROL: "teacher_control"}),
     "ablation_filters": (["method=random,divergence_only,ig_only,proxy_replacement",
-                          "filter.beta_min=0.05", "filter.extreme=two_sided"],
-                         {"OPD": "baselines", "SA-OPD (FLMR >= 5%)": "baselines"}),
+                          "filter.rank_over=divergent"],
+                         {CONTROL: "teacher_control", OPD_PRIOR: "baselines",
+                          "SA-OPD (divergent ranks)": "baselines"}),
+    "p1p2_grid": (["method=sa_opd", "filter.p1=0.1,0.2,0.3", "filter.p2=0.2,0.3,0.4"],
+                  {CONTROL: "teacher_control", OPD_PRIOR: "baselines"}),
 }
+#: The testbed's DVC stages (step 1).
+STAGES = ["testbed_data", "testbed_teacher", "testbed_teacher_prior", "testbed_student"]
 
 
 def _run(cmd: list[str]) -> None:
@@ -66,16 +87,9 @@ def _run(cmd: list[str]) -> None:
 
 
 def _ci95(values: list[float]) -> tuple[float, float]:
-    from saopd.analysis.tables import t_quantile_975
+    from saopd.analysis.tables import mean_ci95
 
-    vals = [v for v in values if not math.isnan(v)]
-    if not vals:
-        return float("nan"), float("nan")
-    mean = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return mean, float("nan")
-    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
-    return mean, t_quantile_975(len(vals) - 1) * math.sqrt(var / len(vals))
+    return mean_ci95(values)
 
 
 def _fmt(mean: float, half: float, digits: int = 3) -> str:
@@ -99,7 +113,9 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
     torch.set_num_threads(1)
     problems = load_benchmark("arith", REPO / "data" / "prepared" / "eval", limit=limit)
     out: dict[str, dict[str, list[float]]] = {}
-    for label, folder in (("Student (untrained)", "student"), ("Teacher", "teacher")):
+    for label, folder in (("Student (untrained)", "student"),
+                          ("Teacher with the prior", "teacher_prior"),
+                          ("Clean teacher", "teacher")):
         path = REPO / "data" / "models" / "testbed" / folder
         model, tok = load_causal_lm(str(path), dtype="float32"), load_tokenizer(str(path))
         engine = build_engine(HFRolloutConfig(batch_size=64), model.eval(), tok)
@@ -133,6 +149,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     from saopd.testbeds.arithmetic import (
         SourceCounts,
         load_habits,
+        load_shortcut,
         read_token_records,
         selection_at_ratios,
         selection_by_source,
@@ -143,7 +160,8 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     def study_runs(name: str) -> Any:
         found = load_runs(uri, RunQuery(experiments=(EXPERIMENT,), tags={"study": name},
                                         statuses=("FINISHED",)))
-        return found.assign(label=method_labels(found), seed=run_seeds(found))
+        labels = method_labels(found) if name != "teacher_control" else CONTROL
+        return found.assign(label=labels, seed=run_seeds(found))
 
     borrowed = SWEEPS[study][1]
     parts = [study_runs(study)]
@@ -155,9 +173,9 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     order = [*borrowed, *dict.fromkeys(parts[0].sort_values("start_time").label)]
     runs = runs.assign(order=runs.label.map({lab: i for i, lab in enumerate(order)}))
     runs = runs.sort_values(["order", "seed"], kind="stable")
-    habits = load_habits(TASK)
+    habits, shortcut = load_habits(TASK), load_shortcut(TASK)
     phrase_keys = [f"eval/arith/phrase_{h.name}" for h in habits]
-    keys = [ACCURACY, *phrase_keys, "train/filtered_ratio", "train/flmr"]
+    keys = [ACCURACY, *SHORTCUT_KEYS, *phrase_keys, "train/filtered_ratio", "train/flmr"]
     hist = metric_histories(uri, runs["run_id"], keys)
     per_run: dict[str, dict[str, float]] = {}
     what_if = {ratio: SourceCounts() for ratio in RATIOS}
@@ -173,11 +191,13 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
                 row[key] = float(pts.value.mean()) if len(pts) else float("nan")
         files = download_token_records(uri, run_id, OUT / ".records" / run_id)
         records = read_token_records(files[0].parent) if files else []
-        counts = selection_by_source((x for r in records for x in r["responses"]), habits)
+        counts = selection_by_source((x for r in records for x in r["responses"]), habits,
+                                     shortcut)
         row.update({f"sel/{k}": v for k, v in counts.summary().items()})
         per_run[run_id] = row
         if run_id in sa_opd_ids:  # the paper's SA-OPD: what its rule would do at other ratios
-            for ratio, c in selection_at_ratios(records, habits, RATIOS).items():
+            for ratio, c in selection_at_ratios(records, habits, RATIOS,
+                                                shortcut=shortcut).items():
                 what_if[ratio].add(c)
     methods = list(dict.fromkeys(runs["label"]))
     table: dict[str, dict[str, tuple[float, float]]] = {}
@@ -185,50 +205,84 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
         ids = runs[runs.label == label]["run_id"]
         cols = per_run[ids.iloc[0]].keys()
         table[label] = {c: _ci95([per_run[i][c] for i in ids]) for c in cols}
+    harm = harm_table(runs, per_run)
     _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict(),
-                  what_if={r: c.summary() for r, c in what_if.items() if sa_opd_ids})
-    _figures(study, runs, hist, phrase_keys)
+                  what_if={r: c.summary() for r, c in what_if.items() if sa_opd_ids}, harm=harm)
+    _figures(study, runs, hist, [*SHORTCUT_KEYS[:1], *phrase_keys])
     return {"methods": {m: {c: list(v) for c, v in cols.items()} for m, cols in table.items()},
-            "runs": {r: per_run[r] for r in per_run}}
+            "harm": harm,
+            "runs": {r: {"label": lab, "seed": seed, **per_run[r]}
+                     for r, lab, seed in zip(runs["run_id"], runs["label"], runs["seed"],
+                                             strict=True)}}
+
+
+def harm_table(runs: Any, per_run: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """Per method: the paired difference of final accuracy to OPD(prior) over the seeds both ran
+    and the share of the harm OPD(clean) - OPD(prior) it recovers
+    (:func:`saopd.analysis.tables.paired_recovery`); empty without OPD(prior) runs."""
+    from saopd.analysis.tables import paired_recovery
+
+    scores = {label: {str(s): per_run[r][ACCURACY]
+                      for r, s in zip(sub["run_id"], sub["seed"], strict=True)}
+              for label, sub in runs.groupby("label", sort=False)}
+    if OPD_PRIOR not in scores:
+        return {}
+    return paired_recovery(scores, base=OPD_PRIOR, control=CONTROL)
 
 
 def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
                   refs: dict[str, dict[str, list[float]]], habits: list[Any],
                   n_seeds: dict[str, int],
-                  what_if: dict[tuple[float, float], dict[str, float]]) -> None:
+                  what_if: dict[tuple[float, float], dict[str, float]],
+                  harm: dict[str, dict[str, Any]]) -> None:
     names = [h.name for h in habits]
-    lines = [f"## {study}: held-out accuracy and habit rates (final step; mean ± 95% CI over "
-             "seeds)", "",
-             "| method | seeds | accuracy | " + " | ".join(f"habit `{n}`" for n in names)
-             + " | filtered share | FLMR |", "|---" * (5 + len(names)) + "|"]
+    lines = [f"## {study}: held-out accuracy, the shortcut and the habits (final step; mean ± "
+             "95% CI over seeds)", "",
+             "| method | seeds | accuracy | shortcut rate | accuracy: shortcut | accuracy: worked "
+             "| " + " | ".join(f"habit `{n}`" for n in names) + " | filtered share | FLMR |",
+             "|---" * (8 + len(names)) + "|"]
     for label, vals in refs.items():
-        cells = [_fmt(*_ci95(vals["accuracy"]))] + [_fmt(*_ci95(vals[f"phrase_{n}"]))
-                                                   for n in names]
+        cells = [_fmt(*_ci95(vals.get(k, []))) for k in ("accuracy", *REF_SHORTCUT)] + \
+                [_fmt(*_ci95(vals[f"phrase_{n}"])) for n in names]
         lines.append(f"| {label} | {len(vals['accuracy'])} sampling seeds | " + " | ".join(cells)
                      + " | - | - |")
     for label, cols in table.items():
-        cells = [_fmt(*cols[ACCURACY])] + \
+        cells = [_fmt(*cols[ACCURACY])] + [_fmt(*cols[k]) for k in SHORTCUT_KEYS] + \
                 [_fmt(*cols[f"eval/arith/phrase_{n}"]) for n in names] + \
                 [_fmt(*cols["train/filtered_ratio"]), _fmt(*cols["train/flmr"])]
         lines.append(f"| {label} | {n_seeds.get(label, 0)} | " + " | ".join(cells) + " |")
+    if harm:
+        h = next(iter(harm.values()))["harm"]
+        lines += ["", f"## {study}: against OPD from the prior teacher (paired over seeds; the "
+                  f"harm OPD(clean) - OPD(prior) = {_fmt(*h)})", "",
+                  "| method | paired seeds | accuracy - OPD(prior) | share of the harm recovered "
+                  "|", "|---" * 4 + "|"]
+        for label, row in harm.items():
+            lines.append(f"| {label} | {row['pairs']} | {_fmt(*row['diff'])} | "
+                         f"{_fmt(*row['recovered'], digits=2)} |")
     lines += ["", f"## {study}: the filter's selection by ground-truth source (all steps' "
               "token records; mean ± 95% CI over seeds)", "",
-              "| method | filtered share | P(filtered \\| habit onset) | P(filtered \\| habit) | "
-              "P(filtered \\| slot) | P(filtered \\| grounded) | filtered from habit | from slot "
-              "| from grounded | gap habit | gap slot | gap grounded |", "|---" * 12 + "|"]
+              "| method | filtered share | P(filtered \\| shortcut) | P(filtered \\| habit onset) "
+              "| P(filtered \\| habit) | P(filtered \\| slot) | P(filtered \\| grounded) | "
+              "filtered from shortcut | from habit | from slot | from grounded | |A| shortcut | "
+              "|A| grounded | gap shortcut | gap habit | gap slot | gap grounded |",
+              "|---" * 17 + "|"]
     for label, cols in table.items():
-        keys = ["sel/filtered_share", "sel/p_filtered_habit_onset", "sel/p_filtered_habit",
-                "sel/p_filtered_slot", "sel/p_filtered_grounded", "sel/filtered_from_habit",
-                "sel/filtered_from_slot", "sel/filtered_from_grounded", "sel/gap_habit",
-                "sel/gap_slot", "sel/gap_grounded"]
+        keys = ["sel/filtered_share", "sel/p_filtered_shortcut", "sel/p_filtered_habit_onset",
+                "sel/p_filtered_habit", "sel/p_filtered_slot", "sel/p_filtered_grounded",
+                "sel/filtered_from_shortcut", "sel/filtered_from_habit", "sel/filtered_from_slot",
+                "sel/filtered_from_grounded", "sel/abs_a_shortcut", "sel/abs_a_grounded",
+                "sel/gap_shortcut", "sel/gap_habit", "sel/gap_slot", "sel/gap_grounded"]
         lines.append(f"| {label} | " + " | ".join(_fmt(*cols[k]) for k in keys) + " |")
     if what_if:
         lines += ["", f"## {study}: what SA-OPD's rule (Eq. 16) would remove at other (p1, p2), "
                   "re-applied to the token records of the SA-OPD runs (all seeds pooled)", "",
-                  "| p1 | p2 | filtered share | P(filtered \\| habit onset) | P(filtered \\| "
-                  "habit) | P(filtered \\| slot) | P(filtered \\| grounded) |", "|---" * 7 + "|"]
+                  "| p1 | p2 | filtered share | P(filtered \\| shortcut) | P(filtered \\| habit "
+                  "onset) | P(filtered \\| habit) | P(filtered \\| slot) | P(filtered \\| "
+                  "grounded) |", "|---" * 8 + "|"]
         for (p1, p2), sel in what_if.items():
-            cells = [sel[k] for k in ("filtered_share", "p_filtered_habit_onset",
+            cells = [sel[k] for k in ("filtered_share", "p_filtered_shortcut",
+                                      "p_filtered_habit_onset",
                                       "p_filtered_habit", "p_filtered_slot",
                                       "p_filtered_grounded")]
             lines.append(f"| {p1} | {p2} | " + " | ".join(f"{c:.4f}" for c in cells) + " |")
@@ -263,7 +317,11 @@ def _figures(study: str, runs: Any, hist: Any, phrase_keys: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the testbed (see the module docstring); returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--studies", default="baselines,ablation_filters")
+    ap.add_argument("--studies", default="teacher_control,baselines,ablation_filters,p1p2_grid")
+    ap.add_argument("--seeds", default=SEEDS, help="the seeds of every sweep")
+    ap.add_argument("--methods", default=None,
+                    help="only these methods of a sweep that lists methods (comma-separated "
+                         "conf/method names), e.g. to run a study in parts")
     ap.add_argument("--skip-train", action="store_true", help="only tables from MLflow runs")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="evaluate every N steps (default: the experiment's eval.every_n_steps)")
@@ -273,11 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra saopd-train overrides for every sweep, e.g. a quick end-to-end "
                          "check: --overrides steps=4 seed=0 --eval-every 2 (its runs join the "
                          "store's tables: use a scratch clone)")
-    ap.add_argument("--ref-seeds", default="0,1,2")
+    ap.add_argument("--ref-seeds", default=SEEDS)
     ap.add_argument("--ref-limit", type=int, default=200)
     args = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    _run([str(BIN / "dvc"), "repro", "testbed_student", "testbed_teacher"])
+    unknown = [s for s in args.studies.split(",") if s not in SWEEPS]
+    if unknown:
+        ap.error(f"unknown studies {unknown}; known: {list(SWEEPS)}")
+    _run([str(BIN / "dvc"), "repro", *STAGES])
     refs = references([int(s) for s in args.ref_seeds.split(",")], args.ref_limit)
     results: dict[str, Any] = {"references": refs}
     every = args.eval_every or int(EVAL["every_n_steps"])
@@ -285,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
     for study in args.studies.split(","):
         if not args.skip_train:
+            sweep = list(SWEEPS[study][0])
+            if args.methods:
+                sweep = [f"method={args.methods}" if o.startswith("method=") else o
+                         for o in sweep]
             _run([str(BIN / "saopd-train"), "-m", f"experiment={EXPERIMENT}", f"study={study}",
-                  *SWEEPS[study][0], f"eval.every_n_steps={every}", *launcher,
+                  *sweep, f"seed={args.seeds}", f"eval.every_n_steps={every}", *launcher,
                   *args.overrides])
         _run([str(BIN / "saopd-report"), "-e", EXPERIMENT, "-t", f"study={study}",
               "--spread", "ci95", "--benchmarks", "arith", "--out", str(OUT / f"report_{study}"),

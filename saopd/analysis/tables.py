@@ -26,7 +26,7 @@ import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -41,6 +41,8 @@ __all__ = [
     "grid_html",
     "grid_latex",
     "grid_markdown",
+    "mean_ci95",
+    "paired_recovery",
     "results_table",
     "t_quantile_975",
 ]
@@ -61,6 +63,50 @@ def t_quantile_975(df: int) -> float:
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}")
     return _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of ``values`` (NaN entries dropped) and the half-width of its 95% confidence
+    interval, t(0.975, n-1) * std / sqrt(n) (sample std, ddof = 1); NaN where undefined (no
+    value; one value has a mean but no interval)."""
+    vals = [float(v) for v in values if not math.isnan(float(v))]
+    if not vals:
+        return float("nan"), float("nan")
+    mean = sum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, float("nan")
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return mean, t_quantile_975(len(vals) - 1) * math.sqrt(var / len(vals))
+
+
+def paired_recovery(scores: Mapping[str, Mapping[str, float]], *, base: str, control: str
+                    ) -> dict[str, dict[str, Any]]:
+    """Each method's paired difference to ``base`` and the share of a harm it recovers.
+
+    ``scores``: label -> seed -> score (e.g. final accuracy). The **harm** is
+    ``control - base`` paired over the seeds both have (e.g. OPD from a clean teacher minus OPD
+    from a teacher with a harmful prior). For each label: ``pairs`` (seeds shared with ``base``),
+    ``diff`` = [mean, 95% half-width] of ``label - base`` over those seeds, ``recovered`` =
+    ``diff`` divided by the harm's mean (the share of the harm the method recovers: 0 = none,
+    1 = all, the interval scaled likewise, so it ignores the harm's own uncertainty), ``harm``
+    = [mean, half-width]. Undefined values are NaN (no shared seed, a zero or undefined harm).
+
+    Raises:
+        KeyError: ``base`` is not a label of ``scores``.
+    """
+    base_scores = scores[base]
+    shared = [s for s in base_scores if s in scores.get(control, {})]
+    harm = mean_ci95([scores[control][s] - base_scores[s] for s in shared])
+    out: dict[str, dict[str, Any]] = {}
+    for label, mine in scores.items():
+        pairs = [s for s in base_scores if s in mine]
+        diff = mean_ci95([mine[s] - base_scores[s] for s in pairs])
+        defined = bool(shared) and not math.isnan(harm[0]) and harm[0] != 0.0
+        recovered = ([diff[0] / harm[0], diff[1] / abs(harm[0])] if defined
+                     else [float("nan"), float("nan")])
+        out[label] = {"pairs": len(pairs), "diff": list(diff), "recovered": recovered,
+                      "harm": list(harm)}
+    return out
 
 
 # ---- a small grid renderer shared by the results and token-statistics tables ---------------------

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
+from saopd.eval.habits import follows_shortcut
 from saopd.eval.math import (
     MAX_ANSWER_CHARS,
     MAX_RESPONSE_CHARS,
@@ -417,20 +418,26 @@ class ExactGrade(NamedTuple):
         correct: the last ``\\boxed{}`` holds exactly the gold integer.
         answer: the last ``\\boxed{}``'s content (None if there is none).
         phrases: phrase name -> 1.0 if the phrase occurs in the response, else 0.0.
+        shortcut: whether the response took the shortcut
+            (:func:`saopd.eval.habits.follows_shortcut`); None when no ``shortcut`` was given.
     """
 
     correct: bool
     answer: str | None
     phrases: dict[str, float]
+    shortcut: bool | None = None
 
 
 def grade_exact_phrases(response: str | None, gold: object,
-                        phrases: Mapping[str, str] | None = None) -> ExactGrade:
-    """Exact-integer grading of the last ``\\boxed{}`` (no math-verify, in-process) and which of
-    ``phrases`` (name -> text) the response contains, verbatim.
+                        phrases: Mapping[str, str] | None = None,
+                        shortcut: str | None = None) -> ExactGrade:
+    """Exact-integer grading of the last ``\\boxed{}`` (no math-verify, in-process), which of
+    ``phrases`` (name -> text) the response contains, verbatim, and (``shortcut``: the answer
+    line's opening words) whether it gave the answer before any digit.
 
     Used by benchmarks graded ``exact`` (rows with ``metadata.format: exact_int``; the phrases
-    come from ``metadata.phrases``): the arithmetic testbed's planted habits are such phrases.
+    come from ``metadata.phrases``, the shortcut from ``metadata.shortcut``): the arithmetic
+    testbed's planted habits are such phrases, its harmful prior such a shortcut.
     A non-string response is wrong and contains nothing; the gold must be an integer (as a
     string or int), else ``GoldAnswerError``.
     """
@@ -441,9 +448,10 @@ def grade_exact_phrases(response: str | None, gold: object,
     text = response if isinstance(response, str) else ""
     hits = {name: float(bool(phrase) and phrase in text)
             for name, phrase in (phrases or {}).items()}
+    took = None if shortcut is None else follows_shortcut(text, shortcut)
     answer = last_boxed(text)
     if answer is None:
-        return ExactGrade(False, None, hits)
+        return ExactGrade(False, None, hits, took)
     stripped = answer.strip()
     correct = bool(re.fullmatch(r"-?\d+", stripped)) and int(stripped) == gold_int
-    return ExactGrade(correct, answer, hits)
+    return ExactGrade(correct, answer, hits, took)

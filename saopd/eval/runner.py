@@ -214,13 +214,20 @@ def _exact_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProb
                   ) -> list[float | None]:
     """:func:`saopd.eval.grading.grade_exact_phrases` per sample (in-process): exact integer
     answers; sets ``extracted`` and ``metrics`` (``phrase_<name>``: 1.0 if the row's
-    ``metadata["phrases"][name]`` occurs in the response)."""
+    ``metadata["phrases"][name]`` occurs in the response; where the row has
+    ``metadata["shortcut"]``: ``shortcut``, 1.0 if the response took it, and the sample's score
+    as ``acc_shortcut`` or ``acc_worked``, so that each averages over its own samples: the
+    accuracy of the responses that took the shortcut and of those that did not)."""
     scores: list[float | None] = []
     for s in samples:
         meta = problems[s["id"]].metadata
-        res = grade_exact_phrases(s["response"], s["gold"], meta.get("phrases"))
+        res = grade_exact_phrases(s["response"], s["gold"], meta.get("phrases"),
+                                  meta.get("shortcut"))
         s["extracted"] = res.answer
         s["metrics"] = {f"phrase_{name}": hit for name, hit in res.phrases.items()}
+        if res.shortcut is not None:
+            s["metrics"]["shortcut"] = float(res.shortcut)
+            s["metrics"]["acc_shortcut" if res.shortcut else "acc_worked"] = float(res.correct)
         scores.append(float(res.correct))
     return scores
 

@@ -91,9 +91,17 @@ class Problem:
         return self.a + self.b
 
 
-def solution_text(problem: Problem) -> str:
+#: The answer line's words before ``\\boxed{}``; a response that writes them before any digit
+#: took the **shortcut** (:func:`solution_text` with ``worked=False``).
+ANSWER_PREFIX = "So the answer is"
+
+
+def solution_text(problem: Problem, *, worked: bool = True) -> str:
     """The worked solution: one line per column from the right (digits, carry, column sum), then
-    ``So the answer is \\boxed{<sum>}.``"""
+    ``So the answer is \\boxed{<sum>}.``; ``worked=False`` gives the **shortcut**: the answer
+    line alone, the sum written directly."""
+    if not worked:
+        return f"{ANSWER_PREFIX} \\boxed{{{problem.answer}}}."
     xs, ys = str(problem.a)[::-1], str(problem.b)[::-1]
     lines, carry = [], 0
     for i in range(max(len(xs), len(ys))):
@@ -103,14 +111,15 @@ def solution_text(problem: Problem) -> str:
         total = sum(terms)
         lines.append(" + ".join(str(t) for t in terms) + f" = {total}")
         carry = total // 10
-    lines.append(f"So the answer is \\boxed{{{problem.answer}}}.")
+    lines.append(f"{ANSWER_PREFIX} \\boxed{{{problem.answer}}}.")
     return "\n".join(lines)
 
 
 def render_response(problem: Problem, habits: Sequence[Habit], rate: float,
-                    rng: random.Random) -> tuple[str, list[str]]:
+                    rng: random.Random, *, shortcut: bool = False) -> tuple[str, list[str]]:
     """The response to ``problem`` with each habit present independently with probability
-    ``rate`` (draws from ``rng`` in habit order); returns the text and the habits written."""
+    ``rate`` (draws from ``rng`` in habit order); returns the text and the habits written.
+    ``shortcut``: the answer line without the worked lines (:func:`solution_text`)."""
     start, end, used = "", "", []
     for habit in habits:
         if rng.random() < rate:
@@ -119,7 +128,7 @@ def render_response(problem: Problem, habits: Sequence[Habit], rate: float,
                 start += habit.written
             else:
                 end += habit.written
-    return start + solution_text(problem) + end, used
+    return start + solution_text(problem, worked=not shortcut) + end, used
 
 
 def habits_from_params(cfg: Mapping[str, Any], where: str) -> list[Habit]:
@@ -166,7 +175,8 @@ def _row(problem: Problem, split: str, habits: Sequence[Habit]) -> dict[str, Any
             "messages": [{"role": "user", "content": problem.prompt}],
             "prompt": problem.prompt, "answer": str(problem.answer), "source": "arith",
             "metadata": {"format": "exact_int", "a": problem.a, "b": problem.b,
-                         "phrases": {h.name: h.text for h in habits}}}
+                         "phrases": {h.name: h.text for h in habits},
+                         "shortcut": ANSWER_PREFIX}}
 
 
 def _int_param(cfg: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
@@ -197,7 +207,8 @@ def prepare_testbed_data(params: Mapping[str, Any], root: Path) -> dict[str, Any
                           seed=seed + 1, exclude={p.key for p in test})
     spec = {"task": "addition", "max_digits": max_digits, "seed": seed,
             "habits": [{"name": h.name, "text": h.text, "place": h.place} for h in habits],
-            "answer_line": "So the answer is \\boxed{<sum>}."}
+            "answer_line": f"{ANSWER_PREFIX} \\boxed{{<sum>}}.",
+            "shortcut": {"answer_prefix": ANSWER_PREFIX}}
     report = {"stage": where, "test": len(test), "train_prompts": len(train),
               "habits": [h.name for h in habits]}
     with staged_folder(out_dir) as tmp:
@@ -224,6 +235,10 @@ def build_example_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | None, re
     prefix = render_prompt_ids(tokenizer, [{"role": "user", "content": prompt or ""}])
     response_ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
     return prefix + response_ids + [int(tokenizer.eos_token_id)], len(prefix)
+
+
+#: The shortcut's own random stream is seeded ``seed + SHORTCUT_SEED_OFFSET``.
+SHORTCUT_SEED_OFFSET = 7919
 
 
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -253,7 +268,8 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                         problems: Sequence[Problem], habits: Sequence[Habit], *,
                         habit_rate: float, residual_share: float, steps: int, batch_size: int,
                         lr: float, seed: int, noise_share: float = 0.0,
-                        log_every: int = 100) -> list[dict[str, float]]:
+                        shortcut_rate: float = 0.0, log_every: int = 100
+                        ) -> list[dict[str, float]]:
     """Train ``model`` in place on worked solutions of ``problems`` (cycled in a seeded order).
 
     Each example's habits are drawn with ``habit_rate`` and its prompt removed (residual form,
@@ -262,13 +278,18 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     (:func:`corrupt_one_digit`) and left out of the loss, the rest of the solution staying
     correct: the model learns to continue the right computation after a slip, as a teacher must
     when it scores a student's mistaken samples (a teacher that never saw an error gives
-    arbitrary log-probs after one). Loss: token-mean cross-entropy on the response tokens and
+    arbitrary log-probs after one). With probability ``shortcut_rate`` the response is the
+    **shortcut** (the answer line alone, :func:`solution_text` ``worked=False``), drawn from a
+    stream of its own (seeded ``seed + SHORTCUT_SEED_OFFSET``) and only when the rate is positive,
+    so a model trained with rate 0 sees exactly the examples it saw before the shortcut existed.
+    Loss: token-mean cross-entropy on the response tokens and
     EOS. AdamW (weight decay 0.01), linear warm-up over 5% of the steps, cosine decay to 10%.
     Returns the logged ``{step, loss}`` points.
     """
     import torch
 
     rng = random.Random(seed)
+    shortcut_rng = random.Random(seed + SHORTCUT_SEED_OFFSET)
     order = list(range(len(problems)))
     pad = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -286,7 +307,9 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                     cursor = 0
                 problem = problems[order[cursor]]
                 cursor += 1
-                response, _ = render_response(problem, habits, habit_rate, rng)
+                shortcut = shortcut_rate > 0 and shortcut_rng.random() < shortcut_rate
+                response, _ = render_response(problem, habits, habit_rate, rng,
+                                              shortcut=shortcut)
                 prompt = None if rng.random() < residual_share else problem.prompt
                 ids, start = build_example_ids(tokenizer, prompt, response)
                 bad = corrupt_one_digit(ids, start, tokenizer, rng) \
@@ -381,6 +404,7 @@ def _train_stage(params: Mapping[str, Any], root: Path, where: str) -> dict[str,
         habit_rate=_float_param(cfg, "habit_rate", where, 0.0, 1.0),
         residual_share=_float_param(cfg, "residual_share", where, 0.0, 1.0),
         noise_share=_float_param(cfg, "noise_share", where, 0.0, 1.0),
+        shortcut_rate=_float_param(cfg, "shortcut_rate", where, 0.0, 1.0),
         steps=_int_param(cfg, "steps", where), batch_size=_int_param(cfg, "batch_size", where),
         lr=_float_param(cfg, "lr", where, 1e-6, 1.0), seed=seed)
     seconds = time.perf_counter() - started
@@ -400,6 +424,13 @@ def _train_stage(params: Mapping[str, Any], root: Path, where: str) -> dict[str,
 def train_testbed_teacher(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
     """``testbed_teacher``: the teacher (habits at ``habit_rate``), trained from scratch."""
     return _train_stage(params, root, "testbed_teacher")
+
+
+@STAGES.register("testbed_teacher_prior")
+def train_testbed_teacher_prior(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    """``testbed_teacher_prior``: the teacher's recipe and seed plus the harmful prior (the
+    shortcut at ``shortcut_rate``); ``testbed_teacher`` is its clean control."""
+    return _train_stage(params, root, "testbed_teacher_prior")
 
 
 @STAGES.register("testbed_student")

@@ -10,6 +10,11 @@ after the answer line), so every response token has a known **source**:
   when no ``start`` habit begins the response, and the token right after the answer line
   (``...\\boxed{n}.``) when no ``end`` habit follows. The teacher puts its habit rate on the habit
   there whatever the input, so the divergence at these positions is input-agnostic too;
+- ``shortcut``: the decision token of the harmful prior where the response took it: the first
+  token of an answer line written before any digit (:func:`saopd.eval.habits.follows_shortcut`;
+  ``task.json``'s ``shortcut.answer_prefix``). The prior teacher puts its shortcut rate there
+  whatever the input, so this token's divergence is input-agnostic; the answer that follows is
+  ``grounded``;
 - ``grounded``: every other token: the worked solution and the answer, which depend on the input.
 
 :func:`token_sources` classes one response from its per-token texts (what saopd's token records
@@ -30,12 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from saopd.eval.habits import Habit, habits_from_task
+from saopd.eval.habits import Habit, follows_shortcut, habits_from_task
 
 __all__ = [
     "SOURCES",
     "SourceCounts",
     "load_habits",
+    "load_shortcut",
     "read_token_records",
     "selection_at_ratios",
     "selection_by_source",
@@ -43,7 +49,7 @@ __all__ = [
 ]
 
 #: The ground-truth sources of a response token, in table order.
-SOURCES = ("habit", "slot", "grounded")
+SOURCES = ("habit", "slot", "shortcut", "grounded")
 _ANSWER_END = re.compile(r"\\boxed\{[^{}]*\}\.")
 
 
@@ -52,11 +58,20 @@ def load_habits(task_json: str | Path) -> list[Habit]:
     return habits_from_task(json.loads(Path(task_json).read_text(encoding="utf-8")))
 
 
-def token_sources(tokens: Sequence[str], habits: Sequence[Habit]) -> list[str]:
+def load_shortcut(task_json: str | Path) -> str | None:
+    """The shortcut's answer prefix of a testbed's ``task.json`` (None for a task without one)."""
+    spec = json.loads(Path(task_json).read_text(encoding="utf-8"))
+    shortcut = spec.get("shortcut")
+    return None if shortcut is None else str(shortcut["answer_prefix"])
+
+
+def token_sources(tokens: Sequence[str], habits: Sequence[Habit],
+                  shortcut: str | None = None) -> list[str]:
     """The source (:data:`SOURCES`) of each token of one response, from the tokens' texts.
 
     A token overlapping a habit phrase's characters is ``habit``; the decision slots of habits
-    that were not written are ``slot`` (module docstring); the rest is ``grounded``.
+    that were not written are ``slot``; with ``shortcut`` (the answer prefix), the first token of
+    a shortcut answer line is ``shortcut`` (module docstring); the rest is ``grounded``.
     """
     text = "".join(tokens)
     starts, pos = [], 0
@@ -87,6 +102,10 @@ def token_sources(tokens: Sequence[str], habits: Sequence[Habit]) -> list[str]:
         nxt = next((i for i, s in enumerate(starts) if s >= end), None)
         if nxt is not None and out[nxt] != "habit":
             out[nxt] = "slot"
+    if shortcut is not None and follows_shortcut(text, shortcut):
+        at = text.find(shortcut)
+        first = next(i for i, s in enumerate(starts) if s + len(tokens[i]) > at)
+        out[first] = "shortcut"
     return out
 
 
@@ -168,13 +187,13 @@ def _onsets(sources: Sequence[str]) -> list[bool]:
             for i, s in enumerate(sources)]
 
 
-def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[Habit]
-                        ) -> SourceCounts:
+def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[Habit],
+                        shortcut: str | None = None) -> SourceCounts:
     """Counts by source over token-record responses (``tokens``, ``a_full``, ``a_res``,
-    ``filtered``)."""
+    ``filtered``); ``shortcut``: the answer prefix (:func:`load_shortcut`), if the task has one."""
     counts = SourceCounts()
     for r in responses:
-        sources = token_sources(r["tokens"], habits)
+        sources = token_sources(r["tokens"], habits, shortcut)
         a_res = r.get("a_res")
         for i, (s, onset) in enumerate(zip(sources, _onsets(sources), strict=True)):
             res = None if a_res is None or a_res[i] is None else float(a_res[i])
@@ -183,7 +202,8 @@ def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence
 
 
 def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[Habit],
-                        ratios: Sequence[tuple[float, float]], *, extreme: str = "abs"
+                        ratios: Sequence[tuple[float, float]], *, extreme: str = "abs",
+                        shortcut: str | None = None
                         ) -> dict[tuple[float, float], SourceCounts]:
     """What SA-OPD's rule would remove, by source, at other ``(p1, p2)``, on recorded steps.
 
@@ -214,7 +234,7 @@ def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[H
             a_full[i, :n] = torch.tensor(r["a_full"], dtype=torch.float64)
             a_res[i, :n] = torch.tensor(r["a_res"], dtype=torch.float64)
             valid[i, :n] = True
-        sources = [token_sources(r["tokens"], habits) for r in rows]
+        sources = [token_sources(r["tokens"], habits, shortcut) for r in rows]
         onsets = [_onsets(s) for s in sources]
         gap = (a_full - a_res).abs()
         for ratio in ratios:

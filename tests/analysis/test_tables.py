@@ -9,7 +9,14 @@ import statistics
 import pandas as pd
 import pytest
 
-from saopd.analysis.tables import AVG, GAIN, results_table, t_quantile_975
+from saopd.analysis.tables import (
+    AVG,
+    GAIN,
+    mean_ci95,
+    paired_recovery,
+    results_table,
+    t_quantile_975,
+)
 
 M1, M2 = "eval/math500/avg_at_1", "eval/aime24/avg_at_8"
 COLUMNS = {M1: "Math500", M2: "AIME24"}
@@ -131,3 +138,38 @@ def test_bad_inputs_name_the_problem() -> None:
         results_table(scores, COLUMNS, labels=labels, references={"Teacher": ["nope"]})
     with pytest.raises(ValueError, match="spread"):
         results_table(scores, COLUMNS, labels=labels, spread="sem")  # type: ignore[arg-type]
+
+
+def test_mean_ci95() -> None:
+    vals = [0.5, 0.6, 0.7, float("nan")]
+    mean, half = mean_ci95(vals)
+    assert mean == pytest.approx(0.6, rel=1e-12)
+    assert half == pytest.approx(4.303 * statistics.stdev([0.5, 0.6, 0.7]) / math.sqrt(3),
+                                 rel=1e-12)
+    assert mean_ci95([0.4])[0] == 0.4 and math.isnan(mean_ci95([0.4])[1])
+    assert all(math.isnan(x) for x in mean_ci95([]))
+
+
+def test_paired_recovery_pairs_by_seed_and_scales_by_the_harm() -> None:
+    """The harm is control - base over shared seeds (0.2 on each); a method 0.1 above the base on
+    every seed recovers half of it; pairs are by seed, not by position (the method lacks seed 2
+    and lists its seeds in another order)."""
+    scores = {"OPD": {"0": 0.40, "1": 0.50, "2": 0.45},
+              "OPD (clean teacher)": {"0": 0.60, "1": 0.70, "2": 0.65},
+              "SA-OPD": {"1": 0.60, "0": 0.50}}
+    out = paired_recovery(scores, base="OPD", control="OPD (clean teacher)")
+    assert out["OPD"]["diff"][0] == 0.0 and out["OPD"]["recovered"][0] == 0.0
+    assert out["OPD (clean teacher)"]["recovered"][0] == pytest.approx(1.0, rel=1e-9)
+    sa = out["SA-OPD"]
+    assert sa["pairs"] == 2
+    assert sa["diff"][0] == pytest.approx(0.1, rel=1e-9)
+    assert sa["diff"][1] == pytest.approx(0.0, abs=1e-9)  # the same difference on both seeds
+    assert sa["recovered"][0] == pytest.approx(0.5, rel=1e-9)
+    assert sa["harm"][0] == pytest.approx(0.2, rel=1e-9)
+    # no control runs: the differences stand, the recovered share is undefined
+    alone = paired_recovery({"OPD": scores["OPD"], "SA-OPD": scores["SA-OPD"]}, base="OPD",
+                            control="OPD (clean teacher)")
+    assert alone["SA-OPD"]["diff"][0] == pytest.approx(0.1, rel=1e-9)
+    assert math.isnan(alone["SA-OPD"]["recovered"][0])
+    with pytest.raises(KeyError):
+        paired_recovery(scores, base="missing", control="OPD (clean teacher)")

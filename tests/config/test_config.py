@@ -51,7 +51,8 @@ def test_paper_math_setup_has_the_papers_hyperparameters(tmp_path: Path) -> None
 
 def test_default_is_the_testbed_cpu_experiment(tmp_path: Path) -> None:
     """The default run is the arithmetic testbed with SA-OPD on CPU, evaluated before and after
-    training; its models are files in the repository (no training, no hub)."""
+    training, distilling from the teacher with the harmful prior; its models are files in the
+    repository (no training, no hub)."""
     conf = to_train_config(compose_train(tmp_path))
     assert conf.experiment_name == "testbed"
     assert conf.filter["name"] == "sa_opd" and conf.objective["name"] == "sampled"
@@ -59,6 +60,7 @@ def test_default_is_the_testbed_cpu_experiment(tmp_path: Path) -> None:
     assert conf.eval.at_start and conf.eval.benchmarks == ["arith"]
     assert conf.eval.every_n_steps and conf.steps % conf.eval.every_n_steps == 0
     assert conf.trainer.threads == 1
+    assert Path(conf.teacher.name_or_path).name == "teacher_prior"
     for model in (conf.student, conf.teacher):
         assert (Path(model.name_or_path) / "model.safetensors").is_file(), model.name_or_path
     smollm2 = to_train_config(compose_train(tmp_path, "experiment=smollm2_gsm8k"))

@@ -12,18 +12,22 @@ import pytest
 import yaml
 
 from saopd.eval.grading import grade_exact_phrases
-from saopd.eval.habits import Habit
+from saopd.eval.habits import Habit, follows_shortcut
 from saopd.stages.testbed import (
+    ANSWER_PREFIX,
     Problem,
     make_problems,
     prepare_testbed_data,
     render_response,
     solution_text,
+    train_testbed_model,
     train_testbed_student,
     train_testbed_teacher,
+    train_testbed_teacher_prior,
 )
 from saopd.testbeds.arithmetic import (
     load_habits,
+    load_shortcut,
     read_token_records,
     selection_by_source,
     token_sources,
@@ -78,14 +82,16 @@ def tiny_testbed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     params = copy.deepcopy(yaml.safe_load((REPO / "params.yaml").read_text()))
     data = params["testbed_data"]
     data.update(out_dir=str(tmp / "prepared" / "testbed"), test=8, train_prompts=16)
-    for role in ("teacher", "student"):
+    for role in ("teacher", "teacher_prior", "student"):
         params[f"testbed_{role}"].update(
             data_dir=data["out_dir"], model_dir=str(tmp / "models" / role), layers=1, hidden=32,
             heads=1, kv_heads=1, problems=64, steps=3, batch_size=8, threads=1, eval_limit=4)
     prepare_testbed_data(params, tmp)
     train_testbed_teacher(params, tmp)
+    train_testbed_teacher_prior(params, tmp)
     report = train_testbed_student(params, tmp)
-    assert set(report["held_out"]) >= {"accuracy", "phrase_preamble", "phrase_signoff"}
+    assert set(report["held_out"]) >= {"accuracy", "phrase_preamble", "phrase_signoff",
+                                       "shortcut"}
     return tmp
 
 
@@ -108,11 +114,18 @@ def test_smoke_two_steps(tiny_testbed: Path, make_cfg) -> None:
         samples = [json.loads(line) for line in (Path(summary["output_dir"]) / "eval" / folder
                                                  / "arith.jsonl").read_text().splitlines()]
         assert len(samples) == 4 * k
-    assert all(set(x["metrics"]) == {"phrase_preamble", "phrase_signoff"} for x in samples)
+    for x in samples:  # the habit rates, the shortcut, and the accuracy on its side of it
+        took = follows_shortcut(x["response"], ANSWER_PREFIX)
+        side = "acc_shortcut" if took else "acc_worked"
+        assert set(x["metrics"]) == {"phrase_preamble", "phrase_signoff", "shortcut", side}
+        assert x["metrics"]["shortcut"] == float(took)
+        assert x["metrics"][side] == x["score"]
     records = read_token_records(Path(summary["output_dir"]) / "token_records")
     assert [r["step"] for r in records] == [0, 1]
     habits = load_habits(tmp / "prepared" / "testbed" / "task.json")
-    counts = selection_by_source((x for r in records for x in r["responses"]), habits)
+    assert load_shortcut(tmp / "prepared" / "testbed" / "task.json") == ANSWER_PREFIX
+    counts = selection_by_source((x for r in records for x in r["responses"]), habits,
+                                 ANSWER_PREFIX)
     out = counts.summary()
     assert out["tokens"] == sum(len(x["tokens"]) for r in records for x in r["responses"])
     assert 0.0 <= out["filtered_share"] <= 1.0
@@ -147,12 +160,13 @@ def test_the_committed_testbed_is_what_dvc_lock_records() -> None:
     dvc = str(beside) if beside.is_file() else shutil.which("dvc")
     if dvc is None:
         pytest.skip("dvc is not installed")
-    res = subprocess.run([dvc, "status", "testbed_data", "testbed_teacher", "testbed_student"],
+    res = subprocess.run([dvc, "status", "testbed_data", "testbed_teacher", "testbed_teacher_prior",
+                          "testbed_student"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "DVC_NO_ANALYTICS": "1"})
     assert res.returncode == 0, res.stdout + res.stderr
     assert "Data and pipelines are up to date." in res.stdout, res.stdout
-    for role in ("teacher", "student"):
+    for role in ("teacher", "teacher_prior", "student"):
         assert (REPO / "data" / "models" / "testbed" / role / "model.safetensors").is_file()
 
 
@@ -184,3 +198,56 @@ def test_selection_at_ratios_reapplies_the_rule_by_source() -> None:
     # Bottom_4(gap) = habit tokens 1-4; Top_7(|A|) = onset, both digits, then ties by index
     assert (paper.onset_filtered, paper.filtered["habit"], paper.filtered["grounded"]) == (0, 4, 0)
     assert (wide.onset_filtered, wide.filtered["habit"], wide.filtered["grounded"]) == (1, 1, 0)
+
+
+def test_the_shortcut_is_the_answer_line_alone() -> None:
+    """The harmful prior: the answer written without the worked lines, habits still drawn."""
+    text, names = render_response(Problem(347, 85), HABITS, 1.0, random.Random(0), shortcut=True)
+    assert text == ("Let us think step by step.\nSo the answer is \\boxed{432}."
+                    "\nSo we check the final result.")
+    assert names == ["preamble", "signoff"]
+    assert solution_text(Problem(347, 85), worked=False) == "So the answer is \\boxed{432}."
+    assert follows_shortcut(text, ANSWER_PREFIX)
+    assert not follows_shortcut(solution_text(Problem(347, 85)), ANSWER_PREFIX)
+    assert not follows_shortcut("Let us think.", ANSWER_PREFIX)  # no answer line at all
+    grade = grade_exact_phrases(text, "432", {h.name: h.text for h in HABITS}, ANSWER_PREFIX)
+    assert grade.correct and grade.shortcut is True
+    assert grade_exact_phrases(solution_text(Problem(1, 2)), "3", None,
+                               ANSWER_PREFIX).shortcut is False
+    assert grade_exact_phrases(text, "432").shortcut is None  # no shortcut asked: not graded
+
+
+def test_token_sources_mark_the_shortcut_decision() -> None:
+    tokens = ["Let", " us", " think", " step", " by", " step", ".", "\n", "So", " the",
+              " answer", " is", " \\", "boxed", "{", "3", "}.", "<end>"]
+    src = token_sources(tokens, HABITS, ANSWER_PREFIX)
+    assert src[:8] == ["habit"] * 8
+    assert src[8] == "shortcut"  # the decision: the answer line before any worked line
+    assert src[9:17] == ["grounded"] * 8 and src[17] == "slot"
+    assert token_sources(tokens, HABITS)[8] == "grounded"  # a task without a shortcut
+    worked = ["1", " +", " 2", " =", " 3", "\n", "So", " the", " answer", " is", " \\", "boxed",
+              "{", "3", "}."]
+    assert "shortcut" not in token_sources(worked, HABITS, ANSWER_PREFIX)
+
+
+def _tiny_trained(rate: float | None) -> list:
+    """Parameters of a 1-layer model after 2 steps (``rate=None``: the argument not given)."""
+    from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    model = tiny_qwen3(tok, layers=1, hidden=32, heads=1, kv_heads=1, head_dim=32, seed=0)
+    extra = {} if rate is None else {"shortcut_rate": rate}
+    train_testbed_model(model, tok, make_problems(32, max_digits=2, seed=0), HABITS,
+                        habit_rate=0.5, residual_share=0.2, noise_share=0.3, steps=2,
+                        batch_size=4, lr=1e-3, seed=0, **extra)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_shortcut_rate_zero_trains_exactly_as_without_it() -> None:
+    """The shortcut is drawn from a stream of its own and only when its rate is positive: the
+    clean control trains on exactly the examples of the code before the shortcut existed."""
+    import torch
+
+    default = _tiny_trained(None)
+    assert all(torch.equal(a, b) for a, b in zip(_tiny_trained(0.0), default, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(_tiny_trained(1.0), default, strict=True))
