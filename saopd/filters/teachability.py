@@ -14,16 +14,17 @@ As in ``BASELINES.md`` [repro]; per valid token t, with K = ``top_k`` (16):
   noise of their magnitude (``saopd.filters.spread``: at most 16 eps * max(|Q_lo|, |Q_hi|), an
   exact zero included), x counts as constant: x_norm = 1[x > Q_lo beyond that noise];
 - score s_t = D_norm * C_norm; keep the floor(``keep_ratio`` * N) tokens of the batch with the
-  largest score (keep_ratio = 0.1; ties by position, row-major, as every rank set in saopd), then
+  largest score (keep_ratio = 0.05, the paper's headline budget; ties by position, row-major, as
+  every rank set in saopd), then
   in every non-empty response that has no kept token, also keep its best-scoring token (the
   earliest on ties): at least one token per response.
 
 [ours] where the sources are silent: "top-16 supports" is read as the union of both models'
 top-16 sets with the tail lumped (the same coarse-grained KL as the top-k KL objectives);
 the selection count uses floor like the rank sets of SA-OPD; the guarantee of one token per
-response is added after the global top-10%, so the kept share can exceed ``keep_ratio`` by at
-most one token per response. Signals with a larger K than ``top_k`` are cut to their first
-``top_k`` columns (top-k lists are sorted, so this is the top-``top_k`` list).
+response is added after the global top-``keep_ratio``, so the kept share can exceed
+``keep_ratio`` by at most one token per response. Signals with a larger K than ``top_k`` are cut
+to their first ``top_k`` columns (top-k lists are sorted, so this is the top-``top_k`` list).
 
 Loss: the filter only selects; the method pairs it with the sampled OPD objective
 (``conf/method/teachability.yaml``), token-mean over the kept tokens.
@@ -89,12 +90,12 @@ class TeachabilityFilter(TokenFilter):
 
     Attributes:
         keep_ratio: kept share of the batch's valid tokens before the one-per-response rule
-            (0.1).
+            (0.05, the paper's headline 5% budget).
         top_k: K of both top-K supports (16); the signals must hold at least K ids per position.
         quantile_low, quantile_high: the normalisation quantiles (0.05, 0.95).
     """
 
-    keep_ratio: float = 0.1
+    keep_ratio: float = 0.05
     top_k: int = 16
     quantile_low: float = 0.05
     quantile_high: float = 0.95
