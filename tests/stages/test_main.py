@@ -42,7 +42,7 @@ def test_registry_holds_exactly_the_stages_dvc_runs() -> None:
     assert STAGES.names() == sorted(DVC_STAGES) == [
         "prepare_eval", "prepare_train", "prepare_vlm", "prepare_vlm_eval",
         "prepare_vlm_reasoning", "prepare_vlm_understanding", "testbed_data", "testbed_student",
-        "testbed_teacher"]
+        "testbed_teacher", "testbed_teacher_prior"]
     for name, stage in DVC_STAGES.items():
         assert stage["cmd"] == f"python -m saopd.stages {name} --params params.yaml"
         assert stage["params"] == [name]
