@@ -101,9 +101,9 @@ bench-filter: setup
 bench-scoring: setup
 	$(VPY) experiments/benchmarks/chunked_scoring.py --grad
 
-# The main job: the default experiment (`testbed`: SA-OPD on the arithmetic testbed, whose models
-# are files in the repository), offline on CPU; it ends by printing the student's held-out
-# accuracy before and after training. `saopd-train experiment=smollm2_gsm8k` is the SmolLM2 run.
+# The main job: the default experiment (`testbed`: SA-OPD from the teacher with the harmful prior
+# on the arithmetic testbed, whose models are files in the repository), offline on CPU; it ends by
+# printing the student's held-out accuracy and shortcut and habit rates before and after training. `saopd-train experiment=smollm2_gsm8k` is the SmolLM2 run.
 run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
 
@@ -184,10 +184,12 @@ bench-trl-vllm: setup-trl-vllm
 planted-prior: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/planted_prior/run.py --threads 1
 
-# The arithmetic testbed (experiments/testbed/README.md): task data, a teacher and a weaker student
-# trained from scratch (dvc repro testbed_student testbed_teacher), study=baselines and
-# study=ablation_filters at 3 seeds through saopd-train, then saopd-report and the testbed's own
-# tables and figures in experiments/testbed/results/ (about an hour on 2 CPU cores).
+# The arithmetic testbed (experiments/testbed/README.md): task data, a teacher with a harmful
+# prior, its clean-teacher control and a weaker student, trained from scratch (dvc repro; in git,
+# so nothing to do on a fresh clone), the studies teacher_control, baselines, ablation_filters (5
+# seeds) and p1p2_grid (3 seeds) through saopd-train, then saopd-report and the testbed's own
+# tables and figures in experiments/testbed/results/ (97 runs of 200 steps, two at a time: about
+# 100 minutes on the 2-core development machine, measured for the parts run in session 7).
 .PHONY: testbed
 testbed: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/run.py
