@@ -162,7 +162,12 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     def study_runs(name: str) -> Any:
         found = load_runs(uri, RunQuery(experiments=(EXPERIMENT,), tags={"study": name},
                                         statuses=("FINISHED",)))
-        labels = method_labels(found) if name != "teacher_control" else CONTROL
+        if name == "teacher_control":
+            labels = CONTROL
+        elif name == "p1p2_grid":  # one label per cell: the method tag is SA-OPD for all nine
+            labels = method_labels(found, label_tag=None)
+        else:
+            labels = method_labels(found)
         return found.assign(label=labels, seed=run_seeds(found))
 
     borrowed = SWEEPS[study][1]
