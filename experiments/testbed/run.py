@@ -38,6 +38,8 @@ from typing import Any
 
 import yaml
 
+from saopd.analysis.tables import mean_ci95
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = REPO / ".venv" / "bin"
 OUT = REPO / "experiments" / "testbed" / "results"
@@ -88,12 +90,6 @@ def _run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
 
 
-def _ci95(values: list[float]) -> tuple[float, float]:
-    from saopd.analysis.tables import mean_ci95
-
-    return mean_ci95(values)
-
-
 def _fmt(mean: float, half: float, digits: int = 3) -> str:
     if math.isnan(mean):
         return "-"
@@ -132,7 +128,7 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
             for key, value in {"accuracy": res.score, **res.extra}.items():
                 rows.setdefault(key, []).append(value)
         out[label] = rows
-        print(label, {k: _fmt(*_ci95(v)) for k, v in rows.items()}, flush=True)
+        print(label, {k: _fmt(*mean_ci95(v)) for k, v in rows.items()}, flush=True)
     return out
 
 
@@ -211,7 +207,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     for label in methods:
         ids = runs[runs.label == label]["run_id"]
         cols = per_run[ids.iloc[0]].keys()
-        table[label] = {c: _ci95([per_run[i][c] for i in ids]) for c in cols}
+        table[label] = {c: mean_ci95([per_run[i][c] for i in ids]) for c in cols}
     harm = harm_table(runs, per_run)
     _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict(),
                   what_if={r: c.summary() for r, c in what_if.items() if sa_opd_ids}, harm=harm)
@@ -249,8 +245,8 @@ def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
              "| " + " | ".join(f"habit `{n}`" for n in names) + " | filtered share | FLMR |",
              "|---" * (8 + len(names)) + "|"]
     for label, vals in refs.items():
-        cells = [_fmt(*_ci95(vals.get(k, []))) for k in ("accuracy", *REF_SHORTCUT)] + \
-                [_fmt(*_ci95(vals[f"phrase_{n}"])) for n in names]
+        cells = [_fmt(*mean_ci95(vals.get(k, []))) for k in ("accuracy", *REF_SHORTCUT)] + \
+                [_fmt(*mean_ci95(vals[f"phrase_{n}"])) for n in names]
         lines.append(f"| {label} | {len(vals['accuracy'])} sampling seeds | " + " | ".join(cells)
                      + " | - | - |")
     for label, cols in table.items():

@@ -20,7 +20,6 @@ the alpha searches only compare ranks.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ from saopd.filters.base import (
 )
 from saopd.filters.ranks import IntersectionPath, alpha_to_fill, compact_valid
 from saopd.signals.token_signals import TokenSignals
-from saopd.validation import check_choice, check_fraction, check_same_shape
+from saopd.validation import check_choice, check_fraction, check_positive, check_same_shape
 
 
 @dataclass(frozen=True)
@@ -61,14 +60,6 @@ class SpuriousMask:
     p1: float
     p2: float
     branch: str
-
-
-def check_floor(divergence_floor: float, owner: str | None = None) -> None:
-    """``divergence_floor`` must be a finite number >= 0 (``ValueError`` naming it otherwise)."""
-    where = f"{owner}.divergence_floor" if owner else "divergence_floor"
-    if isinstance(divergence_floor, bool) or not isinstance(divergence_floor, (int, float)) \
-            or not math.isfinite(divergence_floor) or divergence_floor < 0:
-        raise ValueError(f"{where} must be a finite number >= 0 (nats), got {divergence_floor!r}")
 
 
 def _check_bounds(beta_min: float | None, beta_max: float | None) -> None:
@@ -131,7 +122,7 @@ def spurious_token_mask(
     _check_bounds(beta_min, beta_max)
     check_choice("extreme", extreme, EXTREMES)
     check_choice("rank_over", rank_over, RANK_OVER)
-    check_floor(divergence_floor)
+    check_positive("divergence_floor", divergence_floor, allow_zero=True)
     if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
         raise ValueError("valid must be a bool tensor of the shape of a_full")
     check_same_shape("a_full", a_full, valid.shape, "valid")
@@ -141,23 +132,19 @@ def spurious_token_mask(
     check_finite_at("delta", delta, valid)
 
     a, d = compact_valid(a_full, valid), compact_valid(delta, valid)  # [N] each, row-major
-    n = a.numel()
+    # [N] bool: the tokens ranked (None = all of V, the paper's rule)
+    ranked = a.abs() > divergence_floor if rank_over == "divergent" else None
+    n = a.numel() if ranked is None else int(ranked.sum())
     adaptive = beta_min is not None or beta_max is not None
-    empty = torch.zeros_like(valid)
     if n == 0 or p1 == 0.0 or p2 == 0.0:
         branch = "within" if adaptive else "fixed"
-        return SpuriousMask(empty, 0.0, 1.0, p1, p2, branch)
+        return SpuriousMask(torch.zeros_like(valid), 0.0, 1.0, p1, p2, branch)
 
     abs_a = a.double().abs()  # float64, as filtered_loss_mass_ratio, so bound checks agree
-    total = float(abs_a.sum()) + FLMR_EPS
+    total = float(abs_a.sum()) + FLMR_EPS  # over all of V, ranked or not
     weight = abs_a / total  # path.mass(alpha) is then r(alpha) = FLMR(F_alpha)
-    ranked = None  # [N] bool: the tokens ranked (None = all of V, the paper's rule)
-    if rank_over == "divergent":
-        ranked = a.abs() > divergence_floor
+    if ranked is not None:
         a, d, weight = a[ranked], d[ranked], weight[ranked]
-        if a.numel() == 0:
-            branch = "within" if adaptive else "fixed"
-            return SpuriousMask(empty, 0.0, 1.0, p1, p2, branch)
     path = IntersectionPath(d, a, weight, p1, p2, extreme=extreme)
 
     alpha, branch = 1.0, "fixed"
@@ -225,7 +212,7 @@ class SAOPDParams:
         _check_bounds(self.beta_min, self.beta_max)
         check_choice("extreme", self.extreme, EXTREMES, owner=owner)
         check_choice("rank_over", self.rank_over, RANK_OVER, owner=owner)
-        check_floor(self.divergence_floor, owner=owner)
+        check_positive("divergence_floor", self.divergence_floor, owner=owner, allow_zero=True)
 
     def spurious_mask(self, signals: TokenSignals, delta: torch.Tensor | None = None
                       ) -> SpuriousMask:
