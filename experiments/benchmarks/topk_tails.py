@@ -24,84 +24,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import sys
+from pathlib import Path
 
 import torch
 
-from saopd.filters import build_filter
-from saopd.objectives import TOPK_TAILS, build_objective
-from saopd.signals import Logits, TokenSignals, score_tokens
+try:
+    from tests.helpers.topk_reference import B, T, logits_with_tail, reference_kl, run_topk_kl
+except ModuleNotFoundError:  # run as a script: the repository root is not on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.helpers.topk_reference import B, T, logits_with_tail, reference_kl, run_topk_kl
+
+from saopd.objectives import TOPK_TAILS
 from saopd.signals.topk import LIST_TAIL_FLOOR
 
-V, K, B, T = 1000, 16, 2, 3
 TAILS = (1e-3, 1e-6, 8e-8, 1e-8, 1e-11)
-
-
-def logits_with_tail(tail: float, student: str, seed: int = 0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``[B, T, V]`` (student, teacher) logits; the teacher's K largest hold all but
-    ``tail`` of its mass (in float64, before the cast)."""
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randn(B, T, K, generator=g, dtype=torch.float64)
-    rest = torch.randn(B, T, V - K, generator=g, dtype=torch.float64)
-    shift = (rest.logsumexp(-1) + math.log1p(-tail) - math.log(tail) - head.logsumexp(-1))
-    ordered = torch.cat([head + shift[..., None], rest], dim=-1)
-    perm = torch.rand(B, T, V, generator=g).argsort(-1)
-    teacher = torch.empty_like(ordered).scatter_(-1, perm, ordered)
-    noise = torch.randn(B, T, V, generator=g, dtype=torch.float64)
-    stud = 2 * noise if student == "diffuse" else teacher + noise
-    return stud.float(), teacher.float()
-
-
-def reference(z_s: torch.Tensor, z_t: torch.Tensor, ids: torch.Tensor, direction: str,
-              tail: str, teacher_tail: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 ``[B, T]`` KL from full-vocabulary log-softmaxes (``z_s`` may require grad);
-    ``teacher_tail`` replaces the teacher's exact log tail (the list-only rows)."""
-    lp, lq = torch.log_softmax(z_s.double(), -1), torch.log_softmax(z_t.double(), -1)
-    a_s, a_t = lp.gather(-1, ids), lq.gather(-1, ids)
-    if tail == "renormalize":
-        a_s, a_t = a_s.log_softmax(-1), a_t.log_softmax(-1)
-    x, y = (a_t, a_s) if direction == "forward" else (a_s, a_t)
-    out = (x.exp() * (x - y)).sum(-1)
-    if tail == "lumped":
-        t_s = lp.scatter(-1, ids, float("-inf")).logsumexp(-1)
-        t_t = lq.scatter(-1, ids, float("-inf")).logsumexp(-1)
-        if teacher_tail is not None:
-            t_t = teacher_tail
-        tx, ty = (t_t, t_s) if direction == "forward" else (t_s, t_t)
-        out = out + tx.exp() * (tx - ty)
-    return out
-
-
-def pipeline(z_s: torch.Tensor, z_t: torch.Tensor, direction: str, tail: str,
-             lists_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, TokenSignals]:
-    """(float32 KL ``[B, T]``, d sum(KL) / d z_s, the signals) through the chunked scoring."""
-    z = z_s.clone().requires_grad_(True)
-    targets = torch.zeros(B, T, dtype=torch.long)
-    sc = score_tokens(Logits(z), targets, teacher=Logits(z_t), teacher_top_k=K, chunk_size=4)
-    signals = TokenSignals(
-        lp_student=sc.logprobs, lp_teacher=sc.teacher_logprobs,
-        valid=torch.ones(B, T, dtype=torch.bool), teacher_topk_ids=sc.teacher_topk_ids,
-        teacher_topk_lp_teacher=sc.teacher_topk_logprobs,
-        teacher_topk_lp_student=sc.logprobs_at_ids,
-        teacher_topk_tail_teacher=None if lists_only else sc.teacher_topk_tail,
-        teacher_topk_tail_student=sc.tail_at_ids)
-    objective = build_objective("topk_kl", direction=direction, top_k=K, tail=tail)
-    out = objective(signals, build_filter("none")(signals))
-    out.loss.sum().backward()
-    assert z.grad is not None
-    return out.loss.detach(), z.grad, signals
 
 
 def measure(tail_mass: float, student: str, direction: str, tail: str,
             lists_only: bool = False) -> dict[str, float]:
     z_s, z_t = logits_with_tail(tail_mass, student)
-    kl, grad, signals = pipeline(z_s, z_t, direction, tail, lists_only)
+    out, grad, signals = run_topk_kl(z_s, z_t, lists_only=lists_only, direction=direction,
+                                     tail=tail)
+    kl = out.loss.detach()
     ids = signals.teacher_topk_ids
     assert ids is not None
     ref_z = z_s.double().requires_grad_(True)
     floor = torch.full((B, T), LIST_TAIL_FLOOR, dtype=torch.float64) if lists_only else None
-    ref = reference(ref_z, z_t, ids, direction, tail, floor)
+    ref = reference_kl(ref_z, z_t, ids, direction, tail, floor)
     ref.sum().backward()
     assert ref_z.grad is not None
     value_err = ((kl.double() - ref.detach()).abs() / ref.detach().abs()).max().item()

@@ -16,88 +16,32 @@ import math
 import pytest
 import torch
 
-from saopd.filters import build_filter
-from saopd.objectives import TOPK_TAILS, build_objective
-from saopd.signals import Logits, TokenSignals, score_tokens
+from saopd.objectives import TOPK_TAILS
+from saopd.signals import Logits, score_tokens
 from saopd.signals.topk import LIST_TAIL_FLOOR
+from tests.helpers.topk_reference import (
+    B,
+    K,
+    T,
+    exact_tail,
+    logits_with_tail,
+    reference_kl,
+    run_topk_kl,
+)
 
-V, K, B, T = 1000, 16, 2, 3
 RTOL = 1e-4  # the issue's "Done when"
-
-
-def _logits(tail: float, student: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``[B, T, V]`` (student, teacher) logits; the teacher's K largest hold all but
-    ``tail`` of its mass (set in float64). ``diffuse``: a student of Gaussian logits (tail
-    ~0.98); ``close``: the teacher's logits plus unit noise (a tail as small as the teacher's)."""
-    g = torch.Generator().manual_seed(seed)
-    head = torch.randn(B, T, K, generator=g, dtype=torch.float64)
-    rest = torch.randn(B, T, V - K, generator=g, dtype=torch.float64)
-    shift = rest.logsumexp(-1) + math.log1p(-tail) - math.log(tail) - head.logsumexp(-1)
-    ordered = torch.cat([head + shift[..., None], rest], dim=-1)
-    perm = torch.rand(B, T, V, generator=g).argsort(-1)
-    teacher = torch.empty_like(ordered).scatter_(-1, perm, ordered)
-    noise = torch.randn(B, T, V, generator=g, dtype=torch.float64)
-    student_logits = 2 * noise if student == "diffuse" else teacher + noise
-    return student_logits.float(), teacher.float()
-
-
-def _exact_tail(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return logp.scatter(-1, ids, float("-inf")).logsumexp(-1)
-
-
-def _reference(z_s: torch.Tensor, z_t: torch.Tensor, ids: torch.Tensor, direction: str,
-               tail: str, teacher_tail: torch.Tensor | None = None) -> torch.Tensor:
-    """The KL written from its definition in float64 over the whole vocabulary (``z_s`` may
-    require grad): lumped = the (K + 1)-bucket KL with exact tails (``teacher_tail`` replaces
-    the teacher's); none = verl's sum over the ids; renormalize = NeMo-RL's KL of the lists
-    renormalised (log_softmax over the K values)."""
-    lp, lq = torch.log_softmax(z_s.double(), -1), torch.log_softmax(z_t.double(), -1)
-    a_s, a_t = lp.gather(-1, ids), lq.gather(-1, ids)
-    if tail == "renormalize":
-        a_s, a_t = a_s.log_softmax(-1), a_t.log_softmax(-1)
-    x, y = (a_t, a_s) if direction == "forward" else (a_s, a_t)
-    out = (x.exp() * (x - y)).sum(-1)
-    if tail == "lumped":
-        t_s = _exact_tail(lp, ids)
-        t_t = _exact_tail(lq, ids) if teacher_tail is None else teacher_tail
-        tx, ty = (t_t, t_s) if direction == "forward" else (t_s, t_t)
-        out = out + tx.exp() * (tx - ty)
-    return out
-
-
-def _signals(z: torch.Tensor, z_t: torch.Tensor, *, lists_only: bool = False) -> TokenSignals:
-    """The signals ``score_student`` builds, from the chunked scoring of ``Logits``."""
-    sc = score_tokens(Logits(z), torch.zeros(B, T, dtype=torch.long), teacher=Logits(z_t),
-                      teacher_top_k=K, chunk_size=4)
-    return TokenSignals(
-        lp_student=sc.logprobs, lp_teacher=sc.teacher_logprobs,
-        valid=torch.ones(B, T, dtype=torch.bool), teacher_topk_ids=sc.teacher_topk_ids,
-        teacher_topk_lp_teacher=sc.teacher_topk_logprobs,
-        teacher_topk_lp_student=sc.logprobs_at_ids,
-        teacher_topk_tail_teacher=None if lists_only else sc.teacher_topk_tail,
-        teacher_topk_tail_student=sc.tail_at_ids)
-
-
-def _run(z_s: torch.Tensor, z_t: torch.Tensor, top_k: int = K, lists_only: bool = False,
-         **objective: str):
-    z = z_s.clone().requires_grad_(True)
-    signals = _signals(z, z_t, lists_only=lists_only)
-    out = build_objective("topk_kl", top_k=top_k, **objective)(
-        signals, build_filter("none")(signals))
-    out.loss.sum().backward()
-    return out, z.grad, signals
 
 
 @pytest.mark.parametrize("tail_mass", [1e-3, 1e-6, 1e-8, 1e-11])
 @pytest.mark.parametrize("student", ["diffuse", "close"])
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("tail", TOPK_TAILS)
-def test_topk_kl_matches_the_float64_reference(tail_mass: float, student: str, direction: str,
+def test_topk_kl_matches_the_float64reference_kl(tail_mass: float, student: str, direction: str,
                                                tail: str) -> None:
-    z_s, z_t = _logits(tail_mass, student)
-    out, grad, signals = _run(z_s, z_t, direction=direction, tail=tail)
+    z_s, z_t = logits_with_tail(tail_mass, student)
+    out, grad, signals = run_topk_kl(z_s, z_t, direction=direction, tail=tail)
     ref_z = z_s.double().requires_grad_(True)
-    ref = _reference(ref_z, z_t, signals.teacher_topk_ids, direction, tail)
+    ref = reference_kl(ref_z, z_t, signals.teacher_topk_ids, direction, tail)
     ref.sum().backward()
     torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=RTOL, atol=0.0)
     err = (grad.double() - ref_z.grad).norm() / ref_z.grad.norm()
@@ -110,12 +54,12 @@ def test_topk_kl_matches_the_float64_reference(tail_mass: float, student: str, d
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
-def test_fewer_columns_than_the_signals_hold_add_them_back_to_the_exact_tail(direction: str
+def test_fewer_columns_than_the_signals_hold_add_them_back_to_theexact_tail(direction: str
                                                                              ) -> None:
-    z_s, z_t = _logits(1e-8, "diffuse", seed=1)
-    out, grad, signals = _run(z_s, z_t, top_k=5, direction=direction)
+    z_s, z_t = logits_with_tail(1e-8, "diffuse", seed=1)
+    out, grad, signals = run_topk_kl(z_s, z_t, top_k=5, direction=direction)
     ref_z = z_s.double().requires_grad_(True)
-    ref = _reference(ref_z, z_t, signals.teacher_topk_ids[..., :5], direction, "lumped")
+    ref = reference_kl(ref_z, z_t, signals.teacher_topk_ids[..., :5], direction, "lumped")
     ref.sum().backward()
     torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=RTOL, atol=0.0)
     assert ((grad.double() - ref_z.grad).norm() / ref_z.grad.norm()).item() < RTOL
@@ -125,21 +69,21 @@ def test_fewer_columns_than_the_signals_hold_add_them_back_to_the_exact_tail(dir
 def test_lists_alone_floor_the_teacher_tail_at_a_resolvable_mass(tail_mass: float) -> None:
     """A teacher-scoring service gives lists only: the teacher's tail is floored at 1e-6 (not
     the -100 of LOGPROB_FLOOR), and the metrics say so; the student's tail stays exact."""
-    z_s, z_t = _logits(tail_mass, "diffuse", seed=2)
-    out, _, signals = _run(z_s, z_t, lists_only=True, direction="reverse")
+    z_s, z_t = logits_with_tail(tail_mass, "diffuse", seed=2)
+    out, _, signals = run_topk_kl(z_s, z_t, lists_only=True, direction="reverse")
     floor = torch.full((B, T), LIST_TAIL_FLOOR, dtype=torch.float64)
-    ref = _reference(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped", floor)
+    ref = reference_kl(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped", floor)
     torch.testing.assert_close(out.loss.double(), ref, rtol=RTOL, atol=0.0)
-    exact = _reference(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped")
+    exact = reference_kl(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped")
     assert bool((out.loss < exact.float()).all())  # an underestimate, never the -100 blow-up
     assert out.metrics["topk_tail_exact_teacher"].item() == 0.0
     assert out.metrics["topk_tail_floored"].item() == 1.0
 
 
 def test_a_resolvable_tail_from_lists_alone_is_not_floored() -> None:
-    z_s, z_t = _logits(1e-3, "diffuse", seed=3)
-    out, _, signals = _run(z_s, z_t, lists_only=True, direction="reverse")
-    ref = _reference(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped")
+    z_s, z_t = logits_with_tail(1e-3, "diffuse", seed=3)
+    out, _, signals = run_topk_kl(z_s, z_t, lists_only=True, direction="reverse")
+    ref = reference_kl(z_s, z_t, signals.teacher_topk_ids, "reverse", "lumped")
     # the list's float32 mass is off by ~1e-7 of 1: the tail of 1e-3 to ~1e-4 relative, which
     # moves the KL (~7, a tail term ~1 x log-ratio) by ~1e-4 nats
     torch.testing.assert_close(out.loss.double(), ref, rtol=1e-4, atol=0.0)
@@ -150,19 +94,19 @@ def test_a_resolvable_tail_from_lists_alone_is_not_floored() -> None:
 
 @pytest.mark.parametrize("mode", ["teacher_top_k", "gather_ids"])
 def test_scoring_tails_match_float64_logsumexp_values_and_gradient(mode: str) -> None:
-    z_s, z_t = _logits(1e-11, "close", seed=4)
+    z_s, z_t = logits_with_tail(1e-11, "close", seed=4)
     z = z_s.clone().requires_grad_(True)
     ids = torch.log_softmax(z_t.double(), -1).topk(K, dim=-1).indices
     kw = {"teacher_top_k": K} if mode == "teacher_top_k" else {"gather_ids": ids}
     sc = score_tokens(Logits(z), torch.zeros(B, T, dtype=torch.long), teacher=Logits(z_t),
                       chunk_size=5, **kw)
     ref_z = z_s.double().requires_grad_(True)
-    tail_s = _exact_tail(torch.log_softmax(ref_z, -1), ids)
+    tail_s = exact_tail(torch.log_softmax(ref_z, -1), ids)
     # log tails of magnitude ~30 from float32 log-softmaxes of logits ~40: ~1e-5 nats
     torch.testing.assert_close(sc.tail_at_ids.double(), tail_s.detach(), rtol=1e-6, atol=1e-5)
     if mode == "teacher_top_k":
         assert torch.equal(sc.teacher_topk_ids, ids)
-        tail_t = _exact_tail(torch.log_softmax(z_t.double(), -1), ids)
+        tail_t = exact_tail(torch.log_softmax(z_t.double(), -1), ids)
         assert bool((tail_t < math.log(1e-10)).all())  # the tail the lists cannot resolve
         torch.testing.assert_close(sc.teacher_topk_tail.double(), tail_t, rtol=1e-6, atol=1e-5)
     else:
