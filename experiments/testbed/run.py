@@ -344,7 +344,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown studies {unknown}; known: {list(SWEEPS)}")
     _run([str(BIN / "dvc"), "repro", *STAGES])
     refs = references([int(s) for s in args.ref_seeds.split(",")], args.ref_limit)
-    results: dict[str, Any] = {"references": refs}
+    # the studies not run this time keep their numbers: results.json holds every study's seeds
+    saved = OUT / "results.json"
+    results: dict[str, Any] = (json.loads(saved.read_text(encoding="utf-8"))
+                               if saved.exists() else {})
+    results["references"] = refs
     every = args.eval_every or int(EVAL["every_n_steps"])
     launcher = [] if args.jobs <= 1 else [
         "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
               "--spread", "ci95", "--benchmarks", "arith", "--out", str(OUT / f"report_{study}"),
               "--log-to", "none"])
         results[study] = analyse(study, refs)
-    (OUT / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        saved.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return 0
 
 
