@@ -16,6 +16,7 @@ __all__ = [
     "PADDING_SIDES",
     "RANK_OVER",
     "RESIDUAL_MODES",
+    "ROLLOUT_SAMPLERS",
     "SCHEDULES",
     "SYNC_TRANSPORTS",
     "TEACHER_CONTEXTS",
@@ -24,6 +25,9 @@ __all__ = [
     "VLLM_DTYPES",
 ]
 
+#: How the HF engine's lean decode loop draws a token (``rollout.sampler``;
+#: :mod:`saopd.rollout.sampling`).
+ROLLOUT_SAMPLERS = ("multinomial", "inverse_cdf")
 #: Loss reduction over kept tokens (``step.aggregation``; Eq. 19 is ``token-mean``).
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "token-sum")
 #: SA-OPD's extreme set on the full-context divergence (``filter.extreme``).

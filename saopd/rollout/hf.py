@@ -62,6 +62,7 @@ from saopd.rollout.base import (
     refuse_images,
 )
 from saopd.rollout.registry import ENGINES, EngineSetup
+from saopd.rollout.sampling import SAMPLERS, sample_tokens
 from saopd.validation import check_choice
 
 if TYPE_CHECKING:
@@ -221,7 +222,7 @@ def _warpers(temperature: float | None, top_p: float) -> list[Any]:
 
 def lean_decode(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 *, max_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
-                temperature: float | None, top_p: float = 1.0
+                temperature: float | None, top_p: float = 1.0, sampler: str = "multinomial"
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample ``[R, T]`` new tokens and their raw log-probs, as ``model.generate`` does.
 
@@ -235,7 +236,9 @@ def lean_decode(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     gets ``pad_token_id`` afterwards; decoding ends when every row has stopped or after
     ``max_new_tokens`` steps. As in ``generate``, an all-ones mask is not passed to the model.
     So the forwards, the probabilities and the RNG calls are those of ``generate``, in the same
-    order: for a fixed seed the tokens are the same (the tests check it).
+    order: for a fixed seed the tokens are the same (the tests check it). ``sampler="inverse_cdf"``
+    draws from the same probabilities by inverse CDF instead (:mod:`saopd.rollout.sampling`:
+    another random stream, other tokens for a seed).
 
     Log-probs are ``log_softmax`` of the raw logits at each emitted token (pads included), as
     the engine's recorder takes them. Returns ``(tokens [R, T] int64, logprobs [R, T]
@@ -264,7 +267,7 @@ def lean_decode(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
             for warp in warpers:
                 scores = warp(ids, scores)
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)
+            nxt = sample_tokens(probs, sampler)
         nxt = nxt * unfinished + pad_token_id * (1 - unfinished)  # [R]
         tokens.append(nxt)
         logprobs.append(torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1))
@@ -305,6 +308,10 @@ class HFGenerateEngine:
             :data:`LEAN_DECODE_MODEL_TYPES` with :func:`lean_decode` (the same tokens and
             log-probs as ``model.generate``, several times less overhead per token); False =
             always ``model.generate``.
+        sampler: ``multinomial`` (``generate``'s draw) or ``inverse_cdf`` (lean loop only:
+            :mod:`saopd.rollout.sampling`); a student that needs ``model.generate`` (a
+            vision-language model, another family, ``lean_decode=False``) refuses
+            ``inverse_cdf`` at its first call.
 
     Generation runs under ``torch.no_grad()`` with the model in eval mode; each submodule's
     train/eval mode is restored afterwards. With ``SamplingParams.seed`` set, the CPU RNG and the
@@ -329,6 +336,7 @@ class HFGenerateEngine:
         eos_token_ids: Sequence[int] | None = None,
         processor: Any | None = None,
         lean_decode: bool = True,
+        sampler: str = "multinomial",
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(f"model must have a generate method, got {type(model).__name__}")
@@ -343,6 +351,8 @@ class HFGenerateEngine:
         self.prompt_truncation = prompt_truncation
         self.greedy = greedy
         self.lean_decode = bool(lean_decode)
+        check_choice("sampler", sampler, SAMPLERS, owner="HFGenerateEngine")
+        self.sampler = sampler
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if eos_token_ids is not None:
             stop = tuple(dict.fromkeys(_as_id_list(eos_token_ids)))
@@ -364,6 +374,7 @@ class HFGenerateEngine:
                     tokenizer: PreTrainedTokenizerBase, setup: EngineSetup) -> HFGenerateEngine:
         """The engine ``rollout=hf`` builds (:func:`saopd.rollout.registry.build_engine`)."""
         return cls(student, tokenizer, batch_size=conf.batch_size, greedy=conf.greedy,
+                   sampler=conf.sampler,
                    max_prompt_length=setup.max_prompt_length,
                    prompt_truncation=setup.prompt_truncation,
                    chat_template_kwargs=setup.chat_template_kwargs, processor=setup.processor)
@@ -511,8 +522,15 @@ class HFGenerateEngine:
                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=self.stop_token_ids,
                 pad_token_id=self.pad_token_id,
                 temperature=None if self.greedy else sampling.temperature,
-                top_p=sampling.top_p)
+                top_p=sampling.top_p, sampler=self.sampler)
             return tokens.cpu(), logprobs.float().cpu()
+        if self.sampler != "multinomial" and not self.greedy:
+            raise ValueError(
+                f"rollout.sampler={self.sampler!r} needs the lean decode loop, which this "
+                f"student does not use (model_type "
+                f"{getattr(getattr(self.model, 'config', None), 'model_type', None)!r}, "
+                f"vision inputs or a sharded model): model.generate samples with multinomial "
+                f"only; set rollout.sampler=multinomial")
         config = self._generation_config(sampling)
         extra = self._vision_kwargs(visions or [], input_ids, device)
         recorder = _RawLogprobRecorder()
