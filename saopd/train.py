@@ -308,7 +308,8 @@ def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
                               top_p=conf.eval.top_p, max_new_tokens=conf.eval.max_new_tokens,
                               seed=conf.seed)
     return EvalCallback(conf.eval.every_n_steps, problems, sampling, out_dir,
-                        at_start=conf.eval.at_start)
+                        at_start=conf.eval.at_start, batch_size=conf.eval.batch_size,
+                        sampler=conf.eval.sampler)
 
 
 def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool

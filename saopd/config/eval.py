@@ -7,9 +7,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from saopd.choices import ROLLOUT_SAMPLERS
 from saopd.config.model import ModelConfig
 from saopd.config.rollout import RolloutConfig
-from saopd.validation import check_fraction, check_int, check_positive
+from saopd.validation import check_choice, check_fraction, check_int, check_positive
 
 __all__ = ["EvalConfig", "EvalDuringTrainingConfig"]
 
@@ -29,6 +30,11 @@ class EvalDuringTrainingConfig:
             benchmark: a quick check of the live student, not the records' paper settings
             (``saopd-eval`` on a checkpoint uses those).
         data_dir: where ``dvc repro prepare_eval`` writes the prepared benchmarks.
+        batch_size: problems per ``generate`` call (each repeated ``k`` times); the sampling
+            seed of a batch is ``seed + its first index``, so another ``batch_size`` draws
+            other samples.
+        sampler: the HF engine's token draw (``multinomial`` | ``inverse_cdf``; see
+            ``rollout.sampler`` in :class:`saopd.config.rollout.HFRolloutConfig`).
     """
 
     every_n_steps: int = 0
@@ -40,8 +46,12 @@ class EvalDuringTrainingConfig:
     top_p: float = 0.95
     max_new_tokens: int = 256
     data_dir: str = MISSING
+    batch_size: int = 8
+    sampler: str = "multinomial"
 
     def __post_init__(self) -> None:
+        check_int("batch_size", self.batch_size, owner="eval")
+        check_choice("sampler", self.sampler, ROLLOUT_SAMPLERS, owner="eval")
         if not isinstance(self.every_n_steps, int) or self.every_n_steps < 0:
             raise ValueError(f"eval.every_n_steps must be an int >= 0, got {self.every_n_steps!r}")
         if not isinstance(self.at_start, bool):

@@ -183,7 +183,8 @@ class EvalCallback(L.Callback):
     run's chat-template variables and, for a vision-language student, its processor
     (``pl_module.contexts``). ``problems``: benchmark name -> its problems
     (:func:`saopd.eval.runner.load_benchmark`); ``sampling``: the same for every benchmark;
-    ``batch_size``: problems per ``generate`` call. Scores go to the trainer's loggers as
+    ``batch_size``: problems per ``generate`` call; ``sampler``: the engine's token draw
+    (``rollout.sampler``: :mod:`saopd.rollout.sampling`). Scores go to the trainer's loggers as
     ``eval/<name>/avg_at_<k>`` (MLflow names allow no "@") at the index of the step just taken
     (0-based, as the ``train/`` metrics), the evaluation before the first step at index -1; the
     per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/`` (``eval/initial/`` before the first
@@ -193,7 +194,8 @@ class EvalCallback(L.Callback):
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
-                 grade_workers: int | None = None, at_start: bool = False) -> None:
+                 grade_workers: int | None = None, at_start: bool = False,
+                 sampler: str = "multinomial") -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         for name in problems:  # an unknown name fails now, not at the first evaluation
@@ -205,6 +207,7 @@ class EvalCallback(L.Callback):
         self.batch_size = batch_size
         self.grade_workers = grade_workers
         self.at_start = at_start
+        self.sampler = sampler
         self.results: dict[int, dict[str, float]] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
@@ -222,7 +225,8 @@ class EvalCallback(L.Callback):
         contexts = pl_module.contexts
         # HF generate on the module being trained, even when training samples with vLLM: there
         # are no weights to sync, and the engine lives only for this evaluation
-        engine = build_engine(HFRolloutConfig(batch_size=self.batch_size), pl_module.student,
+        engine = build_engine(HFRolloutConfig(batch_size=self.batch_size, sampler=self.sampler),
+                              pl_module.student,
                               pl_module.tokenizer,
                               chat_template_kwargs=contexts.chat_template_kwargs,
                               processor=contexts.processor)

@@ -134,3 +134,14 @@ def test_the_config_checks_the_sampler_and_the_engine_gets_it(tiny) -> None:
     assert engine.sampler == "inverse_cdf"
     with pytest.raises(ValueError, match="sampler"):
         HFGenerateEngine(model, tok, sampler="gumbel")
+
+
+def test_the_training_evaluation_config_checks_its_sampler_and_batch() -> None:
+    from saopd.config.eval import EvalDuringTrainingConfig
+
+    conf = EvalDuringTrainingConfig(data_dir="x", sampler="inverse_cdf", batch_size=200)
+    assert (conf.sampler, conf.batch_size) == ("inverse_cdf", 200)
+    with pytest.raises(ValueError, match="sampler"):
+        EvalDuringTrainingConfig(data_dir="x", sampler="gumbel")
+    with pytest.raises(ValueError, match="batch_size"):
+        EvalDuringTrainingConfig(data_dir="x", batch_size=0)
