@@ -41,6 +41,7 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from saopd.mlflow_ui import get_or_create_experiment
 from saopd.paths import default_tracking_uri
 
 __all__ = [
@@ -210,9 +211,14 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
         return build()
     with store_lock(uri):
         try:
+            if run_id is None:  # the experiment, tagged as model training (saopd.mlflow_ui)
+                from mlflow import MlflowClient
+
+                get_or_create_experiment(MlflowClient(uri), experiment_name,
+                                         artifact_location=artifact_location)
             logger = build()
             if run_id is None:
-                _ = logger.run_id  # creates the experiment and the run now, under the lock
+                _ = logger.run_id  # creates the run now, under the lock
             else:
                 _reopen_run(logger, run_id)
         except Exception as err:

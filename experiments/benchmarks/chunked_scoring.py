@@ -46,10 +46,10 @@ from typing import Any
 import torch
 
 try:
-    from saopd.signals.logprobs import LMHead, default_chunk_size, score_tokens
+    from saopd.signals import LMHead, default_chunk_size, score_tokens
 except ModuleNotFoundError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from saopd.signals.logprobs import LMHead, default_chunk_size, score_tokens
+    from saopd.signals import LMHead, default_chunk_size, score_tokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -47,10 +47,10 @@ from typing import Any
 import torch
 
 try:
-    from saopd.signals.logprobs import LMHead, Logits, default_chunk_size, score_tokens
+    from saopd.signals import LMHead, Logits, default_chunk_size, score_tokens
 except ModuleNotFoundError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from saopd.signals.logprobs import LMHead, Logits, default_chunk_size, score_tokens
+    from saopd.signals import LMHead, Logits, default_chunk_size, score_tokens
 
 VARIANTS = ("plain", "gather", "off", "topk", "off_ties", "topk_ties")
 K_STUDENT, K_TEACHER = 16, 32

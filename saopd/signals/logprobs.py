@@ -27,8 +27,9 @@ A top-K list holds, per position, the K ids with the largest log-probability, or
 (-log-prob, id): descending log-prob, and among equal log-probs the smaller id first, including
 at the boundary (when more than K entries tie with the K-th largest value, the smallest tied ids
 are the ones kept). ``torch.topk`` alone does not guarantee which tied entries it returns, so
-rows with a tie across the boundary are resolved explicitly (:func:`_top_k`); the first K' <= K
-columns of a top-K list are therefore exactly the top-K' list. Entries of log-prob ``-inf``
+rows with a tie across the boundary are resolved explicitly
+(:func:`saopd.signals.topk.block_top_k`); the first K' <= K columns of a top-K list are
+therefore exactly the top-K' list. Entries of log-prob ``-inf``
 (masked vocabulary) take part like any other value: with fewer than K finite entries the
 smallest masked ids fill the list, with log-prob ``-inf``.
 
@@ -42,7 +43,8 @@ batch of 4 x 2048 tokens a single such tensor is 5 GB. Here the B*T positions ar
 default :func:`default_chunk_size` one block is ~256 MiB whatever V is, so the extra memory does
 not grow with T (nor with V, beyond the model's own ``[V, H]`` head weight). Logits are never
 stored for the whole batch: a :class:`Logits` source is only read one chunk at a time (upcast
-per chunk), and an :class:`LMHead` source computes ``hidden @ weight.T + bias`` per chunk.
+per chunk), and an :class:`LMHead` source computes ``hidden @ weight.T + bias`` per chunk
+(:mod:`saopd.signals.sources`).
 
 Gradient mechanism
 ------------------
@@ -77,7 +79,6 @@ is undefined (NaN). A row whose logits are all ``-inf`` is not a distribution an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -85,238 +86,12 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "LMHead",
-    "LogitSource",
-    "Logits",
-    "TokenScores",
-    "default_chunk_size",
-    "fp32_region",
-    "score_tokens",
-]
+from saopd.signals.sources import LMHead, Logits, LogitSource, fp32_region
+from saopd.signals.topk import block_tail, block_top_k
+
+__all__ = ["TokenScores", "default_chunk_size", "score_tokens"]
 
 _FP32_BYTES = 4
-_TIE_GROUPS = 8  # the tie resolution of _top_k works on at most 1/8 of a chunk's rows at once
-
-
-def fp32_region(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """A context in which autocast is off for ``device``'s type, so every op runs in the dtype
-    of its inputs (here always fp32).
-
-    Under Lightning's ``bf16-mixed`` (``torch.autocast``) a ``matmul``/``addmm`` of fp32 tensors
-    would otherwise run in bf16: the LM-head product of :class:`LMHead` would lose 8 bits of
-    mantissa before the log-softmax, which moved log-probs by ~0.08 nats on average. Scoring
-    runs inside this context in the forward and the backward, whatever autocast state the caller
-    (or the autograd engine) is in; the model's own layers keep their mixed precision.
-    """
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources of logits
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_float(name: str, tensor: Any, ndim: int) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
-    if tensor.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-
-
-def _flat_rows(x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """Rows [start, end) of ``x`` ([B, T, D]) flattened row-major to [B*T, D], without copying
-    the whole tensor when ``x`` is not viewable as [B*T, D] (e.g. a ``[:, :-1]`` slice)."""
-    width = x.shape[-1]
-    try:
-        return x.view(-1, width)[start:end]
-    except RuntimeError:  # strides do not allow a flat view: gather the per-sequence pieces
-        seq_len = x.shape[1]
-        pieces = []
-        for b in range(start // seq_len, (end - 1) // seq_len + 1):
-            lo = max(start, b * seq_len) - b * seq_len
-            hi = min(end, (b + 1) * seq_len) - b * seq_len
-            pieces.append(x[b, lo:hi])
-        return torch.cat(pieces, dim=0) if pieces else x.new_empty((0, width))
-
-
-def _check_range(start: int, end: int, n: int) -> None:
-    if not 0 <= start <= end <= n:
-        raise ValueError(f"chunk range [{start}, {end}) is not inside [0, {n}]")
-
-
-@dataclass(frozen=True)
-class Logits:
-    """Logits already computed by the model.
-
-    Attributes:
-        logits: ``[B, T, V]`` tensor of any float dtype (bf16/fp16 are upcast one chunk at a
-            time). It may be a non-contiguous view (e.g. ``logits[:, :-1]``).
-    """
-
-    logits: torch.Tensor
-
-    def __post_init__(self) -> None:
-        _check_float("Logits.logits", self.logits, 3)
-
-    @property
-    def batch_shape(self) -> tuple[int, int]:
-        """``(B, T)``."""
-        return (int(self.logits.shape[0]), int(self.logits.shape[1]))
-
-    @property
-    def vocab_size(self) -> int:
-        """``V``."""
-        return int(self.logits.shape[2])
-
-    @property
-    def device(self) -> torch.device:
-        return self.logits.device
-
-    def chunk(self, start: int, end: int) -> torch.Tensor:
-        """float32 ``[end - start, V]`` logits of flattened positions [start, end).
-
-        For fp32 input this may be a view of ``logits``: do not modify it in place.
-        """
-        b, t = self.batch_shape
-        _check_range(start, end, b * t)
-        return _flat_rows(self.logits, start, end).float()
-
-    # -- internals used by score_tokens -------------------------------------------------------
-    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.logits,)
-
-    def _fp32_params(self) -> Logits:
-        return self
-
-    def _grad_buffers(self, needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
-        return [torch.zeros_like(self.logits, memory_format=torch.contiguous_format)
-                if needs[0] else None]
-
-    def _accumulate_grad(self, bufs: list[torch.Tensor | None], grad: torch.Tensor,
-                         start: int, end: int) -> None:
-        if bufs[0] is not None:
-            bufs[0].view(-1, self.vocab_size)[start:end] = grad
-
-    def _finish_grads(self, bufs: list[torch.Tensor | None],
-                      originals: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        return bufs
-
-
-@dataclass(frozen=True)
-class LMHead:
-    """Hidden states before the LM head; ``logits = hidden @ weight.T + bias``.
-
-    The product is computed per chunk in float32. Inside :func:`score_tokens`, low-precision
-    ``weight``/``bias`` are upcast once for the forward loop and once for the backward loop (one
-    fp32 ``[V, H]`` copy alive while a loop runs); :meth:`chunk` itself upcasts on every call.
-
-    Attributes:
-        hidden: ``[B, T, H]`` float tensor (may be a non-contiguous view).
-        weight: ``[V, H]`` float tensor (the LM head / tied embedding matrix).
-        bias: optional ``[V]`` float tensor.
-    """
-
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        _check_float("LMHead.hidden", self.hidden, 3)
-        _check_float("LMHead.weight", self.weight, 2)
-        if self.weight.shape[1] != self.hidden.shape[2]:
-            raise ValueError(
-                f"LMHead.weight has shape {tuple(self.weight.shape)} but LMHead.hidden has "
-                f"{tuple(self.hidden.shape)}: weight must be [V, H] with H = hidden.shape[-1]"
-            )
-        if self.bias is not None:
-            _check_float("LMHead.bias", self.bias, 1)
-            if self.bias.shape[0] != self.weight.shape[0]:
-                raise ValueError(
-                    f"LMHead.bias has shape {tuple(self.bias.shape)} but LMHead.weight has "
-                    f"{tuple(self.weight.shape)}: bias must be [V]"
-                )
-        for name, tensor in (("weight", self.weight), ("bias", self.bias)):
-            if tensor is not None and tensor.device != self.hidden.device:
-                raise ValueError(
-                    f"LMHead.{name} is on {tensor.device} but LMHead.hidden is on "
-                    f"{self.hidden.device}"
-                )
-
-    @property
-    def batch_shape(self) -> tuple[int, int]:
-        """``(B, T)``."""
-        return (int(self.hidden.shape[0]), int(self.hidden.shape[1]))
-
-    @property
-    def vocab_size(self) -> int:
-        """``V``."""
-        return int(self.weight.shape[0])
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
-
-    def chunk(self, start: int, end: int) -> torch.Tensor:
-        """float32 ``[end - start, V]`` logits of flattened positions [start, end), computed in
-        fp32 even inside ``torch.autocast`` (see :func:`fp32_region`)."""
-        b, t = self.batch_shape
-        _check_range(start, end, b * t)
-        with fp32_region(self.device):
-            rows = _flat_rows(self.hidden, start, end).float()
-            weight = self.weight.float()
-            if self.bias is None:
-                return rows @ weight.T
-            return torch.addmm(self.bias.float(), rows, weight.T)
-
-    # -- internals used by score_tokens -------------------------------------------------------
-    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.hidden, self.weight, self.bias)
-
-    def _fp32_params(self) -> LMHead:
-        """The same head with fp32 weight/bias (``self`` when they already are fp32)."""
-        fp32 = self.weight.dtype == torch.float32 and (
-            self.bias is None or self.bias.dtype == torch.float32)
-        if fp32:
-            return self
-        bias = None if self.bias is None else self.bias.float()
-        return LMHead(self.hidden, self.weight.float(), bias)
-
-    def _grad_buffers(self, needs: tuple[bool, ...]) -> list[torch.Tensor | None]:
-        hidden, weight, bias = self.hidden, self.weight, self.bias
-        return [
-            torch.zeros_like(hidden, memory_format=torch.contiguous_format) if needs[0] else None,
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if needs[1] else None,
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if bias is not None and needs[2] else None,
-        ]
-
-    def _accumulate_grad(self, bufs: list[torch.Tensor | None], grad: torch.Tensor,
-                         start: int, end: int) -> None:
-        grad_hidden, grad_weight, grad_bias = bufs
-        if grad_hidden is not None:  # self.weight is fp32 here (see _fp32_params)
-            grad_hidden.view(-1, grad_hidden.shape[-1])[start:end] = grad @ self.weight
-        if grad_weight is not None:
-            rows = _flat_rows(self.hidden, start, end).float()
-            grad_weight.addmm_(grad.T, rows)
-        if grad_bias is not None:
-            grad_bias.add_(grad.sum(dim=0))
-
-    def _finish_grads(self, bufs: list[torch.Tensor | None],
-                      originals: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for buf, orig in zip(bufs, originals, strict=True):
-            out.append(None if buf is None or orig is None else buf.to(orig.dtype))
-        return out
-
-
-LogitSource = Logits | LMHead
-"""Anything :func:`score_tokens` can read logits from, one chunk of positions at a time."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,54 +212,13 @@ def _entropy(logp: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
     return terms.masked_fill_(torch.isneginf(logp), 0.0).sum(dim=-1).neg_()
 
 
-def _tail(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log sum_{v not in ids} exp(logp_v) per row of a ``[C, V]`` log-prob block (``ids``
-    ``[C, K]``): a logsumexp over a copy with the listed entries at ``-inf`` (float32); ``-inf``
-    where nothing of nonzero probability is left."""
-    return logp.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
-
-
-def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of each row of a ``[C, V]`` block, ordered by (-value, id).
-
-    Returns int64 ids and their values, both ``[C, k]`` (``1 <= k <= V``). ``torch.topk`` picks
-    the candidates; in rows where more entries than fit tie with the k-th value, the tied
-    entries with the smallest ids are taken instead (a rank among the tied entries from an int32
-    cumulative count, on copies of those rows, at most 1/8 of the chunk at a time); a final
-    stable sort of the k survivors
-    orders them by value, ties by id. NaN entries are not supported.
-    """
-    values, ids = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
-    kth = values[:, -1:]  # [C, 1]
-    tied = (logp >= kth).sum(dim=-1) > k  # [C]: a tie straddles the boundary
-    if bool(tied.any()):
-        all_rows = tied.nonzero().squeeze(-1)
-        # groups of at most 1/8 of the chunk: the copies below stay a fraction of one block
-        group = max(1, logp.shape[0] // _TIE_GROUPS)
-        for rows in all_rows.split(group):
-            sub, thr = logp[rows], kth[rows]  # [R, V], [R, 1]
-            above = sub > thr
-            equal = sub == thr
-            room = k - above.sum(dim=-1, keepdim=True)  # tied entries that fit, per row
-            take = above | (equal & (equal.cumsum(dim=-1, dtype=torch.int32) <= room))
-            del above, equal
-            chosen = take.nonzero()[:, 1].view(-1, k)  # row-major: ascending ids per row
-            del take
-            ids[rows] = chosen
-            values[rows] = sub.gather(-1, chosen)
-            del sub
-    ids, perm = ids.sort(dim=-1)  # by id, then stably by value: (-value, id) order
-    values = values.gather(-1, perm)
-    values, perm = values.sort(dim=-1, descending=True, stable=True)
-    return ids.gather(-1, perm), values
-
 
 def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.Tensor,
                   plan: _Plan) -> dict[str, torch.Tensor]:
     """The forward chunk loop. ``targets`` is flat int64 ``[N]``, ``gather_ids`` flat int64
     ``[N, K]`` (used only with ``plan.gather``); returns flat ``[N]`` / ``[N, K]`` outputs keyed
     by :class:`TokenScores` field. At most ~4 fp32 ``[chunk, V]`` blocks live at once (log p, p,
-    log q and one temporary), plus the top-k masks (:func:`_top_k`)."""
+    log q and one temporary), plus the top-k masks (:func:`~saopd.signals.topk.block_top_k`)."""
     n, device = plan.num_positions, targets.device
     k_s, k_t = plan.top_k, plan.teacher_top_k
     k_at = gather_ids.shape[-1] if plan.gather else k_t
@@ -504,18 +238,18 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
         if k > 0:
             out[name] = torch.empty((n, k), dtype=torch.int64, device=device)
     tau = plan.temperature
-    teacher = None if plan.teacher is None else plan.teacher._fp32_params()
+    teacher = None if plan.teacher is None else plan.teacher.fp32_params()
     for start, end in plan.chunks():
         idx = targets[start:end].unsqueeze(-1)
         logp = _chunk_log_probs(source, start, end, tau)
         out["logprobs"][start:end] = logp.gather(-1, idx).squeeze(-1)
         s_ids = None
         if k_s > 0:
-            s_ids, out["topk_logprobs"][start:end] = _top_k(logp, k_s)
+            s_ids, out["topk_logprobs"][start:end] = block_top_k(logp, k_s)
             out["topk_ids"][start:end] = s_ids
         if plan.gather:
             out["logprobs_at_ids"][start:end] = logp.gather(-1, gather_ids[start:end])
-            out["tail_at_ids"][start:end] = _tail(logp, gather_ids[start:end])
+            out["tail_at_ids"][start:end] = block_tail(logp, gather_ids[start:end])
         p = logp.exp() if plan.kl else None
         if plan.entropy:
             out["entropy"][start:end] = _entropy(logp, p)
@@ -526,11 +260,11 @@ def _score_chunks(source: LogitSource, targets: torch.Tensor, gather_ids: torch.
         if s_ids is not None:
             out["teacher_logprobs_at_topk"][start:end] = logq.gather(-1, s_ids)
         if k_t > 0:
-            t_ids, out["teacher_topk_logprobs"][start:end] = _top_k(logq, k_t)
+            t_ids, out["teacher_topk_logprobs"][start:end] = block_top_k(logq, k_t)
             out["teacher_topk_ids"][start:end] = t_ids
-            out["teacher_topk_tail"][start:end] = _tail(logq, t_ids)
+            out["teacher_topk_tail"][start:end] = block_tail(logq, t_ids)
             out["logprobs_at_ids"][start:end] = logp.gather(-1, t_ids)
-            out["tail_at_ids"][start:end] = _tail(logp, t_ids)
+            out["tail_at_ids"][start:end] = block_tail(logp, t_ids)
         if plan.teacher_entropy:
             out["teacher_entropy"][start:end] = _entropy(logq)
         if p is not None:  # KL terms p (log p - log q), 0 where p = 0 (also if log q = -inf)
@@ -559,7 +293,7 @@ class _ChunkedScores(torch.autograd.Function):
                 *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         source = plan.source_type(*params)
         with fp32_region(source.device):
-            out = _score_chunks(source._fp32_params(), targets, gather_ids, plan)
+            out = _score_chunks(source.fp32_params(), targets, gather_ids, plan)
         empty = targets.new_empty(0, dtype=torch.float32)
         empty_ids = targets.new_empty((0, 0))
         # each missing output gets its own empty tensor: autograd wants distinct outputs
@@ -593,7 +327,7 @@ class _ChunkedScores(torch.autograd.Function):
         needs = tuple(ctx.needs_input_grad[3:])
         if upstream.empty() or not any(needs):
             return (None, None, None, *([None] * len(params)))
-        source = plan.source_type(*params)._fp32_params()
+        source = plan.source_type(*params).fp32_params()
         with fp32_region(source.device):
             grads_in = _backward_chunks(plan, source, targets, _Saved(entropy, kl, tail),
                                         topk_ids, at_ids, tuple(params), needs, upstream)
@@ -637,8 +371,8 @@ def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
     Every gathered log-prob (the target's, the top-k's, those at ``at_ids``) has
     d log p_i / du_v = 1[v = i] - p_v, so their part of the gradient is
     ``scatter(ids, g) - p * sum(g)`` over all of them at once."""
-    bufs = source._grad_buffers(needs)
-    teacher = None if up.kl is None or plan.teacher is None else plan.teacher._fp32_params()
+    bufs = source.grad_buffers(needs)
+    teacher = None if up.kl is None or plan.teacher is None else plan.teacher.fp32_params()
     tau = plan.temperature
     for start, end in plan.chunks():
         rows = slice(start, end)
@@ -682,9 +416,9 @@ def _backward_chunks(plan: _Plan, source: LogitSource, targets: torch.Tensor,
         del p, extra
         if tau != 1.0:
             grad.div_(tau)
-        source._accumulate_grad(bufs, grad, start, end)
+        source.accumulate_grad(bufs, grad, start, end)
         del grad
-    return source._finish_grads(bufs, params)
+    return source.finish_grads(bufs, params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -821,7 +555,7 @@ def score_tokens(source: LogitSource, targets: torch.Tensor, *,
         teacher=teacher, teacher_entropy=teacher_entropy, kl=kl, top_k=top_k,
         teacher_top_k=teacher_top_k, gather=gather_ids is not None,
     )
-    flat = _ChunkedScores.apply(plan, targets.reshape(-1), flat_ids, *source._tensors())
+    flat = _ChunkedScores.apply(plan, targets.reshape(-1), flat_ids, *source.tensors())
     has_teacher = teacher is not None
     at_ids = teacher_top_k > 0 or gather_ids is not None
     wanted = (True, entropy, has_teacher, teacher_entropy, kl, top_k > 0, top_k > 0,

@@ -31,10 +31,16 @@ P_tail + 100)``. Where the logits are at hand, the exact tail (a logsumexp over 
 logits, ``saopd.signals.logprobs``: ``tail_at_ids``, ``teacher_topk_tail``) is given to
 :func:`bucket_kl` instead (``tail_from`` / ``tail_to``) and no floor applies.
 
+The lists themselves come from the chunked scoring (:func:`saopd.signals.logprobs.score_tokens`),
+which takes them from each ``[C, V]`` block of float32 log-probs with :func:`block_top_k` (the K
+largest, ordered by (-log-prob, id): ties at the boundary go to the smaller ids) and
+:func:`block_tail` (the exact log-mass outside given ids).
+
 Numerics: log-probs are expected already clamped at ``LOGPROB_FLOOR`` (as :class:`TokenSignals`
 stores them). Sums run in float64; results are float32; gradients flow into every log-prob and
-tail argument through ordinary autograd (the K-sized tensors are small; only the chunked scoring
-ever touches ``[., V]``). Nothing here returns NaN for finite inputs.
+tail argument through ordinary autograd (the K-sized tensors are small); the two block functions
+run inside the chunked scoring's forward, whose backward is its own. Nothing here returns NaN for
+finite inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import torch
 __all__ = [
     "LISTED_LOG_MASS_CAP",
     "LIST_TAIL_FLOOR",
+    "block_tail",
+    "block_top_k",
     "bucket_kl",
     "prefix_tail",
     "renormalized_kl",
@@ -173,3 +181,52 @@ def union_mask(first_ids: torch.Tensor, second_ids: torch.Tensor) -> torch.Tenso
     over the union of the two top-K sets plus the tail."""
     again = (second_ids[..., :, None] == first_ids[..., None, :]).any(dim=-1)  # [..., K2]
     return torch.cat([torch.ones_like(first_ids, dtype=torch.bool), ~again], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-K lists of a full [C, V] block of log-probs (the chunked scoring's lists and tails)
+# ---------------------------------------------------------------------------------------------
+
+_TIE_GROUPS = 8  # the tie resolution of block_top_k works on at most 1/8 of a block's rows at once
+
+
+def block_top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of each row of a ``[C, V]`` block, ordered by (-value, id).
+
+    Returns int64 ids and their values, both ``[C, k]`` (``1 <= k <= V``). ``torch.topk`` picks
+    the candidates; in rows where more entries than fit tie with the k-th value, the tied
+    entries with the smallest ids are taken instead (a rank among the tied entries from an int32
+    cumulative count, on copies of those rows, at most 1/8 of the chunk at a time); a final
+    stable sort of the k survivors
+    orders them by value, ties by id. NaN entries are not supported.
+    """
+    values, ids = torch.topk(logp, k, dim=-1, largest=True, sorted=True)
+    kth = values[:, -1:]  # [C, 1]
+    tied = (logp >= kth).sum(dim=-1) > k  # [C]: a tie straddles the boundary
+    if bool(tied.any()):
+        all_rows = tied.nonzero().squeeze(-1)
+        # groups of at most 1/8 of the chunk: the copies below stay a fraction of one block
+        group = max(1, logp.shape[0] // _TIE_GROUPS)
+        for rows in all_rows.split(group):
+            sub, thr = logp[rows], kth[rows]  # [R, V], [R, 1]
+            above = sub > thr
+            equal = sub == thr
+            room = k - above.sum(dim=-1, keepdim=True)  # tied entries that fit, per row
+            take = above | (equal & (equal.cumsum(dim=-1, dtype=torch.int32) <= room))
+            del above, equal
+            chosen = take.nonzero()[:, 1].view(-1, k)  # row-major: ascending ids per row
+            del take
+            ids[rows] = chosen
+            values[rows] = sub.gather(-1, chosen)
+            del sub
+    ids, perm = ids.sort(dim=-1)  # by id, then stably by value: (-value, id) order
+    values = values.gather(-1, perm)
+    values, perm = values.sort(dim=-1, descending=True, stable=True)
+    return ids.gather(-1, perm), values
+
+
+def block_tail(logp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log sum_{v not in ids} exp(logp_v) per row of a ``[C, V]`` log-prob block (``ids``
+    ``[C, K]``): a logsumexp over a copy with the listed entries at ``-inf`` (float32); ``-inf``
+    where nothing of nonzero probability is left."""
+    return logp.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)

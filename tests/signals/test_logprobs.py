@@ -11,13 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from saopd.signals.logprobs import (
-    LMHead,
-    Logits,
-    TokenScores,
-    default_chunk_size,
-    score_tokens,
-)
+from saopd.signals import LMHead, Logits, TokenScores, default_chunk_size, score_tokens
 from tests.helpers.tolerance import assert_float_close
 
 B, T, V, H = 3, 7, 37, 6  # B*T = 21 positions
