@@ -107,6 +107,18 @@ bench-scoring: setup
 run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
 
+# An MLflow tracking server for sweeps with many writers (jobs on several nodes: SLURM, a Ray
+# cluster), on the repository's store: saopd/tracking_server.py says why (SQLite on a shared file
+# system is not safe with many writers) and it prints the logger.tracking_uri for the runs.
+# MLFLOW_HOST=0.0.0.0 opens it to the cluster's network; MLFLOW_ARGS passes more options, e.g.
+# MLFLOW_ARGS="--backend-store-uri postgresql://user@db/mlflow".
+MLFLOW_HOST ?= 127.0.0.1
+MLFLOW_PORT ?= 5000
+MLFLOW_ARGS ?=
+.PHONY: mlflow-server
+mlflow-server: setup
+	$(VPY) -m saopd.tracking_server --host $(MLFLOW_HOST) --port $(MLFLOW_PORT) $(MLFLOW_ARGS)
+
 # Headless Chromium (Debian's `chromium`, with fonts for screenshots) for the browser test of the
 # report page, tests/integration/test_report_browser.py, which skips without it. Uses sudo when not root.
 browser:

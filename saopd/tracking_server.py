@@ -1,0 +1,289 @@
+"""An MLflow tracking server for studies with many writers (sweep jobs on several nodes).
+
+    make mlflow-server                                      # 127.0.0.1:5000, the repository's store
+    make mlflow-server MLFLOW_PORT=5001 MLFLOW_HOST=0.0.0.0 # reachable from the cluster's nodes
+    python -m saopd.tracking_server --backend-store-uri postgresql://user@db/mlflow
+    saopd-train -m seed=0,1,2 hydra/launcher=submitit_slurm logger.tracking_uri=http://<host>:5000
+    saopd-report --tracking-uri http://<host>:5000 -e testbed
+
+Why a server. ``saopd-train`` logs to a SQLite file (``sqlite:///<repo>/mlflow.db``) by default,
+and parallel jobs on one machine take turns through a file lock (:func:`saopd.tracking.
+store_lock`). SQLite is not safe with many writers on a shared (network) file system: its locks
+rely on the file system's byte-range locks, which NFS and its kin implement loosely or not at
+all, so jobs writing from several nodes can corrupt the database or fail with "database is
+locked". A tracking server is then the only process that opens the store: the jobs send their
+params, metrics and artifacts over HTTP (``logger.tracking_uri=http://<host>:<port>``).
+Behind the server, SQLite is fine while the file is on the server's own disk; for a large study,
+or a store on a shared file system, point ``--backend-store-uri`` at PostgreSQL or MySQL (their
+SQLAlchemy drivers, e.g. ``psycopg2``, are not installed by saopd).
+
+Artifacts (configs, token views, reports) go through the server too (``--serve-artifacts``) into
+``--artifacts-destination`` (default ``<repo>/mlartifacts``), so a job on another node needs no
+access to that folder. Experiments created before the server, in the local store, keep their
+``file:`` artifact folders beside ``mlflow.db``, which jobs write directly: fine on a shared
+file system, which a cluster's jobs have anyway for the code and data.
+
+Which launchers need it. :class:`StoreCheck` (a Hydra callback of ``conf/train.yaml``) refuses,
+before any job is submitted, a sweep whose launcher runs jobs on several nodes
+(``hydra/launcher=submitit_slurm``, a Ray launcher connected to a cluster's address) while runs
+log to a ``sqlite:`` store, and says what to do instead (:func:`sqlite_refusal`). Local
+launchers (basic, joblib, ``submitit_local``, Ray on a local cluster) keep the SQLite default.
+
+The server's address is bound to 127.0.0.1 unless ``--host`` says otherwise: MLflow's server
+has no authentication by default, so open it to a cluster's network only (``--host 0.0.0.0``),
+never to the internet; MLflow accepts requests addressed to localhost and private IPs, and
+``--allowed-hosts`` adds host names (``node01:5000``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from saopd.mlflow_ui import experiment_url
+from saopd.paths import default_tracking_uri, repo_root
+
+__all__ = [
+    "DEFAULT_PORT",
+    "StoreCheck",
+    "build_parser",
+    "main",
+    "multi_node_launcher",
+    "server_command",
+    "sqlite_refusal",
+    "start_server",
+    "wait_until_up",
+]
+
+DEFAULT_PORT = 5000
+#: SQLAlchemy URI schemes MLflow's server accepts as a database store (``postgresql+psycopg2``
+#: and the like match by their first part).
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+def server_command(*, backend_store_uri: str, artifacts_destination: str, host: str = "127.0.0.1",
+                   port: int = DEFAULT_PORT, workers: int | None = None,
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The ``mlflow server`` command line (run with this Python's ``mlflow`` module).
+
+    Raises ``ValueError`` naming the argument for a store that is not a database URI, a port
+    out of range or a worker count below 1.
+    """
+    scheme = backend_store_uri.split(":", 1)[0].split("+", 1)[0] if ":" in backend_store_uri \
+        else ""
+    if scheme not in DATABASE_SCHEMES:
+        raise ValueError(
+            f"--backend-store-uri {backend_store_uri!r} is not a database URI (sqlite:///<file>,"
+            " postgresql://..., mysql://..., mssql://...); MLflow 3 refuses file stores")
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
+           "--backend-store-uri", backend_store_uri, "--serve-artifacts",
+           "--artifacts-destination", artifacts_destination]
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+    return [*cmd, *extra]
+
+
+def wait_until_up(url: str, *, timeout_s: float = 120.0,
+                  process: subprocess.Popen | None = None) -> None:
+    """Poll ``<url>/health`` until the server answers 200.
+
+    Raises ``RuntimeError`` if ``process`` (the server) exits first, and ``TimeoutError`` after
+    ``timeout_s`` seconds, each naming the address.
+    """
+    deadline = time.monotonic() + timeout_s
+    health = url.rstrip("/") + "/health"
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the MLflow server for {url} exited with status "
+                               f"{process.returncode} before answering {health}")
+        try:
+            with urllib.request.urlopen(health, timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer from {health} within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def start_server(*, backend_store_uri: str, artifacts_destination: str | Path,
+                 host: str = "127.0.0.1", port: int = DEFAULT_PORT, workers: int | None = None,
+                 log_file: Path | None = None, timeout_s: float = 120.0) -> subprocess.Popen:
+    """Start ``mlflow server`` in the background and return it once it answers.
+
+    Its output goes to ``log_file`` (else is discarded). The caller stops it
+    (``terminate()``); a server that fails to start is stopped and the error raised.
+    """
+    cmd = server_command(backend_store_uri=backend_store_uri,
+                         artifacts_destination=str(artifacts_destination), host=host,
+                         port=port, workers=workers)
+    out = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    finally:
+        if log_file is not None:
+            out.close()
+    try:
+        wait_until_up(f"http://{_connect_host(host)}:{port}", timeout_s=timeout_s,
+                      process=process)
+    except BaseException:
+        process.terminate()
+        process.wait(timeout=30)
+        raise
+    return process
+
+
+def _connect_host(host: str) -> str:
+    """The address a client on this machine connects to for a server bound to ``host``."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m saopd.tracking_server``."""
+    root = repo_root()
+    p = argparse.ArgumentParser(
+        prog="python -m saopd.tracking_server",
+        description="Start an MLflow tracking server for saopd's runs (many writers: sweep jobs "
+                    "on several nodes log through it with logger.tracking_uri=http://...).",
+        epilog="Arguments after -- go to `mlflow server` as they are (e.g. -- --allowed-hosts "
+               "node01:5000).")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: "
+                        "every interface, for jobs on other nodes of a trusted network)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--backend-store-uri", default=default_tracking_uri(root),
+                   help="the database: sqlite:///<file> (default: the repository's mlflow.db, "
+                        "where saopd-train logs without a server), postgresql://..., mysql://...")
+    p.add_argument("--artifacts-destination", default=str(root / "mlartifacts"),
+                   help="where the server stores the artifacts of the experiments it creates "
+                        "(a folder, or a URI such as s3://bucket/path); default <repo>/mlartifacts")
+    p.add_argument("--workers", type=int, default=None,
+                   help="server processes (default: MLflow's)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print how to use the server, then replace this process with ``mlflow server``.
+
+    Bad arguments exit with status 2 and one line naming the problem.
+    """
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in args_in:
+        cut = args_in.index("--")
+        args_in, extra = args_in[:cut], args_in[cut + 1:]
+    args = build_parser().parse_args(args_in)
+    artifacts = args.artifacts_destination
+    try:
+        cmd = server_command(backend_store_uri=args.backend_store_uri,
+                             artifacts_destination=artifacts, host=args.host, port=args.port,
+                             workers=args.workers, extra=extra)
+    except ValueError as err:
+        print(f"saopd tracking server: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if "://" not in artifacts:
+        Path(artifacts).expanduser().mkdir(parents=True, exist_ok=True)
+    url = f"http://{_connect_host(args.host)}:{args.port}"
+    remote = "http://<this host's name or address>:" + str(args.port)
+    lines = [
+        f"saopd tracking server: {url}  (store {args.backend_store_uri}, artifacts {artifacts})",
+        f"  runs log here with:  saopd-train logger.tracking_uri={url}",
+        (f"  from other nodes:    logger.tracking_uri={remote}" if args.host != "127.0.0.1"
+         else "  (this machine only: --host 0.0.0.0 opens it to other nodes)"),
+        f"  runs in the UI:      {experiment_url(url)}",
+        f"  tables and figures:  saopd-report --tracking-uri {url} -e <experiment>",
+    ]
+    if args.backend_store_uri.startswith("sqlite:"):
+        lines.append("  SQLite: safe while this server is its only writer and the file is on this"
+                     " machine's disk; on a shared file system use PostgreSQL or MySQL")
+    print("\n".join(lines), flush=True)
+    os.execv(cmd[0], cmd)
+
+
+# ---- refusing SQLite for launchers that run jobs on several nodes -------------------------------
+
+def multi_node_launcher(launcher: Mapping[str, Any]) -> str | None:
+    """What makes Hydra launcher config ``launcher`` run jobs on several nodes, or None.
+
+    SLURM (``hydra/launcher=submitit_slurm``) always may; a Ray launcher when it connects to a
+    cluster (``ray.init.address`` set, e.g. ``auto`` or ``ray://head:10001``; null or ``local``
+    starts a cluster on this machine) or starts one on cloud machines (Ray's AWS launcher).
+    ``submitit_local``, joblib and the basic launcher run on this machine.
+    """
+    target = str(launcher.get("_target_", ""))
+    cls = target.rsplit(".", 1)[-1]
+    if "Slurm" in cls:
+        return f"{cls} (hydra/launcher=submitit_slurm) runs jobs on the cluster's nodes"
+    if cls.startswith("Ray"):
+        if "AWS" in cls:
+            return f"{cls} runs jobs on cloud machines"
+        ray_conf = launcher.get("ray") or {}
+        init = ray_conf.get("init") if isinstance(ray_conf, Mapping) else None
+        address = init.get("address") if isinstance(init, Mapping) else None
+        if address not in (None, "", "local"):
+            return (f"{cls} with ray.init.address={address} runs jobs on the Ray cluster's "
+                    "nodes")
+    return None
+
+
+def sqlite_refusal(tracking_uri: str, launcher: Mapping[str, Any]) -> str | None:
+    """The reason to refuse logging to ``tracking_uri`` from jobs of ``launcher``, or None.
+
+    Refused: a ``sqlite:`` store with a launcher of :func:`multi_node_launcher`.
+    """
+    if not tracking_uri.startswith("sqlite:"):
+        return None
+    why = multi_node_launcher(launcher)
+    if why is None:
+        return None
+    return (f"MLflow store {tracking_uri}: {why}, and SQLite is not safe with many writers on a "
+            "shared file system; start a tracking server (make mlflow-server MLFLOW_HOST=0.0.0.0"
+            ", or python -m saopd.tracking_server --host 0.0.0.0) and pass "
+            "logger.tracking_uri=http://<server host>:5000, or use a database server "
+            "(logger.tracking_uri=postgresql://...)")
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class StoreCheck(_HydraCallback):  # type: ignore[misc]
+    """Hydra callback: refuse a multi-node sweep that would log to a SQLite store.
+
+    Runs when a sweep starts, before any job is submitted; prints ``saopd-train: error: ...``
+    (:func:`sqlite_refusal`) and exits with status 2. The store is the one the jobs would use:
+    ``logger.tracking_uri``, else the repository's default (as ``saopd.train`` picks it).
+    """
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """Check the sweep's launcher against its tracking store."""
+        logger = config.get("logger") or {}
+        if logger.get("kind", "mlflow") != "mlflow":
+            return
+        uri = logger.get("tracking_uri") or default_tracking_uri(config.paths.root)
+        reason = sqlite_refusal(str(uri), config.hydra.launcher)
+        if reason is not None:
+            print(f"saopd-train: error: {reason}", file=sys.stderr, flush=True)
+            # Hydra turns a callback's exceptions into warnings; SystemExit gets through
+            raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

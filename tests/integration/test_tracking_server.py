@@ -1,0 +1,157 @@
+"""A real MLflow tracking server (saopd.tracking_server) with many writers: two sweep jobs log
+through it in parallel, saopd-report reads them back; and the refusal of a SQLite store for
+launchers that run jobs on several nodes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+
+from saopd.mlflow_ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING
+from saopd.report import main as report_main
+from saopd.tracking_server import (
+    StoreCheck,
+    multi_node_launcher,
+    server_command,
+    sqlite_refusal,
+    start_server,
+)
+from saopd.train import CONF_DIR
+from tests.conftest import REPO
+
+TRAIN = Path(sys.executable).with_name("saopd-train")
+SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+RAY = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
+JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+# a few seconds per job: the testbed's models, 2 steps, an evaluation of 16 held-out problems
+QUICK = ["experiment=testbed", "steps=2", "prompts_per_step=8", "eval.limit=16", "eval.k=1",
+         "eval.every_n_steps=2", "eval.at_start=false", "trainer.view_every_n_steps=0"]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``saopd-train`` with ``args`` from ``cwd``, offline, one thread per process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SAOPD_ROOT", None)
+    return subprocess.run([str(TRAIN), *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A tracking server on 127.0.0.1 over a fresh SQLite store; (its URL, its folder)."""
+    folder = tmp_path_factory.mktemp("server")
+    port = free_port()
+    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
+                           artifacts_destination=folder / "artifacts", port=port, workers=1,
+                           log_file=folder / "server.log")
+    try:
+        yield f"http://127.0.0.1:{port}", folder
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
+        server: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    url, folder = server
+    cwd = tmp_path / "elsewhere"
+    cwd.mkdir()
+    # two jobs at once (joblib, 2 processes) create the same new experiment and log through it
+    out = run_train(cwd, "-m", *QUICK, "seed=0,1", "hydra/launcher=joblib",
+                    "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                    f"logger.tracking_uri={url}", "logger.experiment_name=served")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 of 2 jobs ok" in out.stdout
+
+    client = MlflowClient(url)
+    exp = client.get_experiment_by_name("served")
+    assert exp.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.data.tags["seed"] for r in runs) == ["0", "1"]
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    for r in runs:
+        assert r.data.metrics["eval/arith/avg_at_1"] >= 0.0
+        # the config artifact went through the server into its artifact folder
+        assert [a.path for a in client.list_artifacts(r.info.run_id, "config")] == [
+            "config/config.yaml"]
+    assert len(list((folder / "artifacts").rglob("config.yaml"))) == 2
+    assert not (folder / "mlartifacts").exists() and not list(cwd.iterdir())
+
+    report = tmp_path / "report"
+    report_main(["--tracking-uri", url, "-e", "served", "--out", str(report)])
+    printed = capsys.readouterr().out
+    assert "saopd-report: 2 run(s)" in printed
+    sources = pd.read_csv(report / "sources.csv")
+    assert set(sources["run_id"]) == {r.info.run_id for r in runs}
+    header = next(line for line in (report / "results.md").read_text().splitlines()
+                  if line.startswith("| Method"))
+    assert "| arith |" in header  # the runs' held-out metric is the table's column
+    reports = client.get_experiment_by_name("reports")
+    assert client.search_runs([reports.experiment_id])  # the report run is on the server too
+
+
+def test_sqlite_is_refused_for_launchers_on_several_nodes() -> None:
+    store = "sqlite:////shared/repo/mlflow.db"
+    assert "submitit_slurm" in sqlite_refusal(store, {"_target_": SLURM})
+    assert "ray.init.address=auto" in sqlite_refusal(
+        store, {"_target_": RAY, "ray": {"init": {"address": "auto"}}})
+    # launchers on this machine keep SQLite; a server or a database is never refused
+    for launcher in ({"_target_": SUBMITIT_LOCAL}, {"_target_": JOBLIB},
+                     {"_target_": RAY, "ray": {"init": {"address": None}}}):
+        assert multi_node_launcher(launcher) is None
+        assert sqlite_refusal(store, launcher) is None
+    for uri in ("http://node01:5000", "postgresql://db/mlflow"):
+        assert sqlite_refusal(uri, {"_target_": SLURM}) is None
+
+
+def test_the_sweep_is_refused_before_any_job_runs(tmp_path: Path) -> None:
+    out = run_train(tmp_path, "-m", "experiment=tiny", "seed=0,1",
+                    f"hydra.launcher._target_={SLURM}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                    f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("saopd-train: error")]
+    assert len(errors) == 1 and "SQLite is not safe with many writers" in errors[0]
+    assert "logger.tracking_uri=http://" in errors[0]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_the_check_is_a_callback_of_every_sweep(capsys: pytest.CaptureFixture) -> None:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.root={REPO}", "paths.output_dir=/tmp/x"],
+                      return_hydra_config=True)
+    assert cfg.hydra.callbacks.store_check._target_ == "saopd.tracking_server.StoreCheck"
+    StoreCheck().on_multirun_start(cfg)  # the default launcher: nothing to refuse
+    cfg.hydra.launcher._target_ = SLURM
+    with pytest.raises(SystemExit) as stop:
+        StoreCheck().on_multirun_start(cfg)
+    assert stop.value.code == 2
+    assert f"sqlite:///{REPO}/mlflow.db" in capsys.readouterr().err
+    cfg.logger.kind = "none"  # nothing is logged: nothing to refuse
+    StoreCheck().on_multirun_start(cfg)
+
+
+def test_bad_server_arguments_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a database URI"):
+        server_command(backend_store_uri=str(tmp_path / "mlruns"), artifacts_destination="a")
+    out = subprocess.run([sys.executable, "-m", "saopd.tracking_server", "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("saopd tracking server: error: --port must be in 1..65535, "
+                                  "got 0")
