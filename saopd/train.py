@@ -50,6 +50,7 @@ from saopd.lightning.runs import (
     write_training_config,
 )
 from saopd.lightning.trainer import build_trainer, checkpoint_callback
+from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import ModelPair, build_pair, build_student_for_service
 from saopd.objectives import build_objective
 from saopd.paths import conf_dir, register_resolvers
@@ -420,8 +421,7 @@ def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
             run_id = previous.get("run_id")
             if run_id is None:  # failed before training made a run: make one, so that every
                 name = cfg.logger.experiment_name or cfg.experiment_name  # job is in MLflow
-                exp = client.get_experiment_by_name(name)
-                exp_id = exp.experiment_id if exp else client.create_experiment(name)
+                exp_id = get_or_create_experiment(client, name)
                 run_id = client.create_run(exp_id, tags=_run_tags(cfg)).info.run_id
             client.set_tag(run_id, "error", info["error"][:5000])
             client.set_terminated(run_id, status="FAILED")
