@@ -35,6 +35,7 @@ from saopd.eval.benchmarks import BENCHMARKS
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
 from saopd.lightning.checkpoints import read_checkpoint
+from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root
 from saopd.rollout.base import SamplingParams
@@ -231,9 +232,8 @@ def _log_mlflow(conf: EvalConfig, summary: dict[str, Any], out_dir: Path,
     if run_id is None:
         name = conf.experiment_name
         with store_lock(uri):
-            exp = client.get_experiment_by_name(name)
-            exp_id = exp.experiment_id if exp else client.create_experiment(
-                name, artifact_location=local_artifact_location(uri, name))
+            exp_id = get_or_create_experiment(
+                client, name, artifact_location=local_artifact_location(uri, name))
             run_id = client.create_run(exp_id, run_name=f"eval-{'-'.join(conf.benchmarks)}"
                                        ).info.run_id
     step = summary["step"]

@@ -19,6 +19,7 @@ import pandas as pd
 
 from saopd.analysis.runs import mlflow_client
 from saopd.analysis.tables import ResultsTable
+from saopd.mlflow_ui import get_or_create_experiment
 
 __all__ = [
     "REPORT_ARTIFACT_DIR",
@@ -77,19 +78,14 @@ def _sqlite_dir(uri: str) -> Path | None:
 def ensure_experiment(client_or_uri: Any, name: str) -> str:
     """The id of MLflow experiment ``name``, created if missing. In a local SQLite store its
     artifacts go to ``<store folder>/mlartifacts/<name>``, as for training experiments
-    (:func:`saopd.tracking.make_mlflow_logger`)."""
+    (:func:`saopd.tracking.make_mlflow_logger`), tagged as model training
+    (:func:`saopd.mlflow_ui.get_or_create_experiment`; a deleted one is refused)."""
     client = mlflow_client(client_or_uri)
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if exp.lifecycle_stage == "deleted":
-            raise ValueError(f"MLflow experiment {name!r} is deleted; restore it or pick "
-                             "another name")
-        return exp.experiment_id
     folder = _sqlite_dir(getattr(client, "tracking_uri", ""))
     location = None
     if folder is not None:
         location = (folder.resolve() / "mlartifacts" / slug(name)).as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    return get_or_create_experiment(client, name, artifact_location=location)
 
 
 def log_files_to_run(client_or_uri: Any, run_id: str, files: Iterable[Path],
