@@ -1,0 +1,83 @@
+"""saopd's experiments are created as model training, once, whoever wins a creation race; the
+UI links open the model-training view (the browser check: integration/test_mlflow_ui_browser)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from saopd.mlflow_ui import (
+    EXPERIMENT_KIND_TAG,
+    MODEL_TRAINING,
+    experiment_url,
+    get_or_create_experiment,
+)
+
+
+@pytest.fixture()
+def client(tmp_path: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+def test_created_tagged_and_found_again(client: MlflowClient, tmp_path: Path) -> None:
+    location = (tmp_path / "art").as_uri()
+    exp_id = get_or_create_experiment(client, "runs", artifact_location=location)
+    exp = client.get_experiment(exp_id)
+    assert exp.name == "runs" and exp.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
+    assert exp.artifact_location == location
+    assert get_or_create_experiment(client, "runs") == exp_id
+    assert len(client.search_experiments()) == 2  # "Default" and this one
+
+
+def test_an_existing_experiment_gets_the_kind_unless_it_has_one(client: MlflowClient) -> None:
+    plain = client.create_experiment("plain")
+    genai = client.create_experiment("genai", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert get_or_create_experiment(client, "plain") == plain
+    assert client.get_experiment(plain).tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
+    assert get_or_create_experiment(client, "genai") == genai
+    assert client.get_experiment(genai).tags[EXPERIMENT_KIND_TAG] == "genai_development"
+
+
+def test_a_deleted_experiment_is_refused_naming_it(client: MlflowClient) -> None:
+    exp_id = client.create_experiment("gone")
+    client.delete_experiment(exp_id)
+    with pytest.raises(ValueError, match=rf"'gone' \(id {exp_id}\) is deleted.*restore"):
+        get_or_create_experiment(client, "gone")
+
+
+class _LateClient(MlflowClient):
+    """A real client whose first lookup misses: another process creates the experiment between
+    this process's lookup and its create (two sweep jobs starting at once)."""
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(uri)
+        self.lookups = 0
+
+    def get_experiment_by_name(self, name: str):  # type: ignore[override]
+        self.lookups += 1
+        if self.lookups == 1:
+            MlflowClient(self.tracking_uri).create_experiment(name)  # the other job wins
+            return None
+        return super().get_experiment_by_name(name)
+
+
+def test_the_loser_of_a_creation_race_uses_the_winners_experiment(tmp_path: Path) -> None:
+    late = _LateClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp_id = get_or_create_experiment(late, "raced")
+    assert late.lookups == 2
+    exp = late.get_experiment(exp_id)
+    assert exp.name == "raced" and exp.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
+
+
+def test_links_open_the_model_training_view() -> None:
+    assert experiment_url("http://127.0.0.1:5000/", "7") == (
+        "http://127.0.0.1:5000/#/experiments/7/runs?workflowType=machine_learning"
+        "&compareRunsMode=CHART")
+    assert experiment_url("http://h:1", "7", charts=False) == (
+        "http://h:1/#/experiments/7/runs?workflowType=machine_learning")
+    assert experiment_url("http://h:1") == (
+        "http://h:1/#/experiments?workflowType=machine_learning")
+    with pytest.raises(ValueError, match="http"):
+        experiment_url("sqlite:///mlflow.db", "1")
