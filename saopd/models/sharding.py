@@ -20,19 +20,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from saopd.filters.distributed import world_size
-
-
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum of ``value`` over all ranks (a detached copy; ``value`` itself without a group)."""
-    if world_size() == 1:
-        return value
-    out = value.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+# lightning/module.py still imports all_reduce_sum from here; it moved to saopd.data_parallel
+# (issue 29): drop this line once that import is changed
+from saopd.data_parallel import all_reduce_sum  # noqa: F401
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

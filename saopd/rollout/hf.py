@@ -48,7 +48,7 @@ import torch
 
 from saopd.choices import LONG_PROMPT_MODES
 from saopd.config.rollout import HFRolloutConfig
-from saopd.filters.distributed import world_size
+from saopd.data_parallel import world_size
 from saopd.models.sharding import is_fsdp2
 from saopd.models.vlm import check_engine_processor, vision_special_ids, vision_token_ids
 from saopd.prompts.render import render_prompt_ids
