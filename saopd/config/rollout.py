@@ -200,6 +200,10 @@ class VLLMServerRolloutConfig(RolloutConfig):
         request_timeout: seconds one HTTP request (a prompt's sampling, a reload) may take before
             the run stops naming the server.
         max_concurrent_requests: prompts in flight per server (each prompt is one request).
+        api_key_file: a file holding the servers' API key (the one ``saopd-serve`` printed;
+            readable by its owner only); null = ``SAOPD_SERVE_API_KEY``, else for a server on
+            this machine its default key file. Only the path is in the config: the key is never
+            logged.
     """
 
     engine: str = "vllm_server"
@@ -212,6 +216,7 @@ class VLLMServerRolloutConfig(RolloutConfig):
     startup_timeout: float = 600.0
     request_timeout: float = 1800.0
     max_concurrent_requests: int = 64
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

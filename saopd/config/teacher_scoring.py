@@ -26,7 +26,7 @@ _ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "kv_cache
                    "enforce_eager", "tensor_parallel_size", "in_process", "devices",
                    "model_dir", "max_images_per_prompt", "startup_timeout")
 _SERVER_OPTIONS = ("urls", "model", "request_timeout", "startup_timeout",
-                   "max_concurrent_requests")
+                   "max_concurrent_requests", "api_key_file")
 BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
     "hf": (),
     "vllm": _ENGINE_OPTIONS,
@@ -81,6 +81,10 @@ class TeacherScoringConfig:
         request_timeout (vllm_server): seconds one scoring request may take.
         max_concurrent_requests (vllm_server): requests in flight per server (a step's share
             of a server is split into this many requests).
+        api_key_file (vllm_server): a file holding the servers' API key (the one
+            ``saopd-serve`` printed; readable by its owner only); null =
+            ``SAOPD_SERVE_API_KEY``, else for a server on this machine its default key file.
+            Only the path is in the config: the key is never logged.
     """
 
     backend: str = "hf"
@@ -100,6 +104,7 @@ class TeacherScoringConfig:
     model: str | None = None
     request_timeout: float = 1800.0
     max_concurrent_requests: int = 1
+    api_key_file: str | None = None
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, TEACHER_SCORING_BACKENDS, owner="teacher_scoring")

@@ -112,7 +112,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import fields
@@ -147,10 +146,10 @@ from saopd.rollout.vllm_sync import (
     new_sync_dir,
     reload_weights,
     resolve_transport,
-    shm_dir,
     write_shards,
 )
 from saopd.rollout.vllm_worker import WORKER_EXTENSION
+from saopd.serving.scratch import owned_dir, remove_stale_dirs, shm_dir
 from saopd.serving.vllm_runtime import (
     cpu_kv_cache_bytes,
     engine_environment,
@@ -802,14 +801,18 @@ class VLLMEngine:
     ) -> VLLMEngine:
         """Save ``model`` (safetensors) and ``tokenizer`` to ``model_dir`` and start vLLM on it.
 
-        ``model_dir`` None = a fresh folder under ``/dev/shm`` (removed by :meth:`close`).
+        ``model_dir`` None = a fresh folder under ``/dev/shm`` (removed by :meth:`close`; the
+        folders of dead runs there are removed first, :func:`~saopd.serving.scratch.
+        remove_stale_dirs`).
         The student's stop tokens (:func:`~saopd.rollout.hf.default_stop_token_ids` of the
         tokenizer and the model) and its parameter names/shapes (what ``load_weights`` must
         send) are taken from the live model. ``kwargs`` go to the constructor.
         """
         owned = model_dir is None
-        folder = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp(
-            prefix="saopd-vllm-model-", dir=shm_dir()))
+        if owned:
+            remove_stale_dirs(shm_dir())
+        folder = Path(model_dir) if model_dir is not None else owned_dir("saopd-vllm-model-",
+                                                                          shm_dir())
         folder.mkdir(parents=True, exist_ok=True)
         if owned:  # a copy of the student in RAM: gone at exit even if close() is never called
             atexit.register(shutil.rmtree, folder, True)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import logging
 import math
 import shutil
@@ -85,11 +86,13 @@ from saopd.rollout.vllm_sync import (
     canonical_weight_name,
     checked_weights,
     iter_with_sums,
-    shm_dir,
     write_shards,
 )
-from saopd.rollout.vllm_worker import CONFIG_KEYS
-from saopd.serving.http import JsonClient
+from saopd.rollout.vllm_worker import PROBE_FILE
+from saopd.serving.auth import client_api_key
+from saopd.serving.http import JsonClient, ServerError
+from saopd.serving.identity import config_differences, config_values
+from saopd.serving.scratch import SYNC_PREFIX, owned_dir, remove_stale_dirs, shm_dir
 from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
@@ -102,10 +105,9 @@ log = logging.getLogger(__name__)
 _DEFAULTS = VLLMServerRolloutConfig  # the engine's option defaults are the config schema's
 #: The log-prob mode the servers must run (vLLM's default): log-probs of the raw logits.
 RAW_LOGPROBS = "raw_logprobs"
-_PROBE_FILE = "saopd-probe.txt"
 
 
-class RolloutServerError(OSError):
+class RolloutServerError(ServerError):
     """A rollout server is unreachable, restarted, serves another model or answered something
     saopd cannot use; the message names its URL. An ``OSError``, so that ``saopd-train``
     reports one at start-up as a one-line error."""
@@ -119,12 +121,14 @@ class ServerClient(JsonClient):
     Args:
         url: the server's base URL (``http://127.0.0.1:8000``; a trailing ``/`` is dropped).
         timeout: seconds a request may take (connect + answer).
+        api_key: the server's API key (None: sent without one).
     """
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, api_key: str | None = None) -> None:
         super().__init__(url, timeout, role="rollout server", error=RolloutServerError,
                          request_option="rollout.request_timeout",
-                         startup_option="rollout.startup_timeout")
+                         startup_option="rollout.startup_timeout", api_key=api_key,
+                         key_option="rollout.api_key_file")
 
     def models(self) -> list[dict[str, Any]]:
         """The model cards of ``GET /v1/models`` (each with a string ``id``)."""
@@ -134,29 +138,6 @@ class ServerClient(JsonClient):
                 isinstance(card, dict) and isinstance(card.get("id"), str) for card in data):
             raise self.garbage("/v1/models", "a list of models", got)
         return data
-
-    def rpc(self, method: str, *args: Any) -> Any:
-        """The first worker's result of ``POST /collective_rpc`` ``method(*args)`` (the
-        endpoint of ``VLLM_SERVER_DEV_MODE=1``; a saopd worker-extension method)."""
-        try:
-            got = self.call("POST", "/collective_rpc", {"method": method, "args": list(args)})
-        except RolloutServerError as err:
-            text = str(err)
-            if "HTTP 404" in text:
-                raise RolloutServerError(
-                    f"rollout server {self.url} has no /collective_rpc (vLLM's dev mode): start "
-                    "it with saopd-serve, which sets VLLM_SERVER_DEV_MODE=1 and saopd's worker "
-                    "extension") from None
-            if method in text and ("has no attribute" in text or "not found" in text):
-                raise RolloutServerError(
-                    f"rollout server {self.url} has no worker method {method!r}: start it with "
-                    f"saopd-serve (saopd's worker extension) from this saopd version ({text})"
-                ) from None
-            raise
-        results = got.get("results") if isinstance(got, dict) else None
-        if not isinstance(results, list) or not results or not isinstance(results[0], dict):
-            raise self.garbage(f"/collective_rpc {method}", "a JSON object per worker", got)
-        return results[0]
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:
         """``POST /reset_prefix_cache``, retried while the server says it could not (blocks
@@ -227,14 +208,16 @@ class VLLMServerEngine:
             parameters, tied ones once).
         stop_token_ids: stop tokens (at least one; the student's
             :func:`~saopd.rollout.hf.default_stop_token_ids`).
-        model_config: the student's ``transformers`` config: its :data:`CONFIG_KEYS` values
-            must equal the servers' (None = not compared).
+        model_config: the student's ``transformers`` config: its
+            :data:`~saopd.serving.identity.CONFIG_KEYS` values must equal the servers' (None =
+            not compared).
         model: the model id the servers must list in ``/v1/models`` (None = the first
             server's first model, which every server must list).
         weights_dir: parent folder of the sync shards, readable by every server (None =
             ``/dev/shm`` where the machine has it, else the temporary folder).
         weight_bucket_mb, verify_sync, startup_timeout, request_timeout,
-        max_concurrent_requests: as in :class:`~saopd.config.rollout.VLLMServerRolloutConfig`.
+        max_concurrent_requests, api_key_file: as in
+            :class:`~saopd.config.rollout.VLLMServerRolloutConfig`.
         max_prompt_length, prompt_truncation, greedy, chat_template_kwargs: as in
             :class:`~saopd.rollout.hf.HFGenerateEngine`.
     """
@@ -256,6 +239,7 @@ class VLLMServerEngine:
         startup_timeout: float = _DEFAULTS.startup_timeout,
         request_timeout: float = _DEFAULTS.request_timeout,
         max_concurrent_requests: int = _DEFAULTS.max_concurrent_requests,
+        api_key_file: str | None = _DEFAULTS.api_key_file,
         max_prompt_length: int | None = None,
         prompt_truncation: str = "truncate",
         greedy: bool = False,
@@ -283,7 +267,9 @@ class VLLMServerEngine:
             raise ValueError("VLLMServerEngine.stop_token_ids must list at least one id")
 
         self.tokenizer = tokenizer
-        self.clients = [ServerClient(u, request_timeout) for u in urls]
+        self.clients = [ServerClient(u, request_timeout,
+                                     client_api_key(api_key_file, u, "rollout.api_key_file"))
+                        for u in urls]
         self.expected_weights: dict[str, tuple[int, ...]] = {
             k: tuple(v) for k, v in expected_weights.items()}
         self.stop_token_ids: tuple[int, ...] = stop
@@ -292,6 +278,9 @@ class VLLMServerEngine:
         self.greedy = greedy
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        # where the shards go: every server must read its sync folders from there
+        self._parent = (self.weights_dir if self.weights_dir is not None
+                        else shm_dir() or Path(tempfile.gettempdir())).resolve()
         self.weight_bucket_bytes = weight_bucket_mb << 20
         self.verify_sync = verify_sync
         self.max_concurrent_requests = max_concurrent_requests
@@ -364,10 +353,21 @@ class VLLMServerEngine:
     def _info(self, client: ServerClient) -> dict[str, Any]:
         """The server's ``saopd_server_info``, checked for shape and log-prob mode."""
         info = client.rpc("saopd_server_info")
-        fields = {"instance": str, "pid": int, "dtype": str, "config": dict}
+        fields = {"instance": str, "pid": int, "dtype": str, "config": dict, "weights_dir": str}
         if not all(isinstance(info.get(k), t) for k, t in fields.items()):
             raise client.garbage("/collective_rpc saopd_server_info",
-                                 "instance, pid, dtype and config", info)
+                                 "instance, pid, dtype, config and weights_dir (a saopd-serve "
+                                 "of this saopd version)", info)
+        if info.get("broken"):
+            raise RolloutServerError(
+                f"rollout server {client.url}: a weight reload failed there earlier "
+                f"({info['broken']}); its weights are unknown: restart it (saopd-serve)")
+        if Path(info["weights_dir"]) != self._parent:
+            raise RolloutServerError(
+                f"rollout server {client.url} reads weights only under its --weights-dir "
+                f"{info['weights_dir']}; this run writes them under {self._parent} "
+                f"(rollout.weights_dir): start saopd-serve with --weights-dir {self._parent} or "
+                f"set rollout.weights_dir={info['weights_dir']}")
         if not hasattr(torch, info["dtype"]) or not isinstance(
                 getattr(torch, info["dtype"]), torch.dtype):
             raise client.garbage("/collective_rpc saopd_server_info", "a torch dtype",
@@ -382,16 +382,11 @@ class VLLMServerEngine:
 
     def _check_config(self, client: ServerClient, info: Mapping[str, Any],
                       model_config: Any | None) -> None:
-        """The served model's config agrees with the student's on :data:`CONFIG_KEYS`."""
+        """The served model's config agrees with the student's on
+        :data:`~saopd.serving.identity.CONFIG_KEYS`."""
         if model_config is None:
             return
-        text = (model_config.get_text_config() if hasattr(model_config, "get_text_config")
-                else model_config)
-        served = info["config"]
-        differ = [f"{key} {served[key]!r} (student: {getattr(text, key)!r})"
-                  for key in CONFIG_KEYS
-                  if key in served and getattr(text, key, None) is not None
-                  and served[key] != getattr(text, key)]
+        differ = config_differences(info["config"], config_values(model_config), "student")
         if differ:
             raise RolloutServerError(
                 f"rollout server {client.url} serves {self.model!r}, a model that differs from "
@@ -468,7 +463,8 @@ class VLLMServerEngine:
             weights_dir=conf.weights_dir, weight_bucket_mb=conf.weight_bucket_mb,
             verify_sync=conf.verify_sync, startup_timeout=conf.startup_timeout,
             request_timeout=conf.request_timeout,
-            max_concurrent_requests=conf.max_concurrent_requests, greedy=conf.greedy,
+            max_concurrent_requests=conf.max_concurrent_requests,
+            api_key_file=conf.api_key_file, greedy=conf.greedy,
             max_prompt_length=setup.max_prompt_length, prompt_truncation=setup.prompt_truncation,
             chat_template_kwargs=setup.chat_template_kwargs)
 
@@ -627,22 +623,21 @@ class VLLMServerEngine:
         self.last_sync_seconds = time.perf_counter() - started
 
     def _folder(self) -> Path:
-        """Rank 0's shard folder (created on first use under ``weights_dir``, removed at exit),
-        checked to be readable by every server with a probe file."""
+        """Rank 0's shard folder (created on first use under ``weights_dir``, removed at exit;
+        the stale folders of dead runs there removed first), checked to be readable by every
+        server with a probe file (the server answers the file's digest, never its text)."""
         if self._sync_dir is not None:
             return self._sync_dir
-        parent = self.weights_dir if self.weights_dir is not None else shm_dir()
-        if parent is not None:
-            parent.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix="saopd-weights-", dir=parent))
+        remove_stale_dirs(self._parent)
+        folder = owned_dir(SYNC_PREFIX, self._parent)
         atexit.register(shutil.rmtree, folder, True)
-        probe = folder / _PROBE_FILE
         token = uuid.uuid4().hex
-        probe.write_text(token)
+        (folder / PROBE_FILE).write_text(token)
+        want = hashlib.sha256(token.encode()).hexdigest()
         try:
             for client in self.clients:
-                got = client.rpc("saopd_server_read_probe", str(probe))
-                if got.get("text") != token:
+                got = client.rpc("saopd_server_read_probe", str(folder))
+                if got.get("sha256") != want:
                     raise RolloutServerError(
                         f"rollout server {client.url} cannot read the weights folder {folder} "
                         f"that global rank 0 writes ({got.get('error') or 'another file'}): "
@@ -651,7 +646,7 @@ class VLLMServerEngine:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        probe.unlink()
+        (folder / PROBE_FILE).unlink()
         self._sync_dir = folder
         return folder
 
@@ -662,7 +657,7 @@ class VLLMServerEngine:
         def one(client: ServerClient) -> BaseException | None:
             try:
                 self._check_identity(client)
-                got = client.rpc("saopd_server_reload", str(folder))
+                got = self._reload(client, folder)
                 if not isinstance(got.get("repacked"), int):
                     raise client.garbage("/collective_rpc saopd_server_reload",
                                          '{"repacked": <int>}', got)
@@ -682,6 +677,26 @@ class VLLMServerEngine:
                     else RolloutServerError)
             raise kind(f"weight sync failed on {len(errors)} rollout servers: "
                        + " | ".join(str(e) for e in errors))
+
+    @staticmethod
+    def _reload(client: ServerClient, folder: Path) -> dict[str, Any]:
+        """``saopd_server_reload`` of ``folder`` on ``client``'s server; a refusal (weights kept)
+        and a failure inside vLLM (weights partly replaced: restart) each get their message."""
+        try:
+            got = client.rpc("saopd_server_reload", str(folder))
+        except RolloutServerError as err:
+            if err.http_status is not None and err.http_status >= 500 and not err.fatal:
+                raise RolloutServerError(
+                    f"rollout server {client.url}: the weight reload from {folder} failed "
+                    f"inside vLLM ({err}); its weights are now partly replaced and it has "
+                    "marked itself unhealthy: restart it (saopd-serve), then resume the run "
+                    "(resume=auto)") from None
+            raise
+        if "refused" in got:
+            raise RolloutServerError(
+                f"rollout server {client.url} refused to reload {folder}: {got['refused']} "
+                "(it keeps its previous weights)")
+        return got
 
     def _check_sums(self, client: ServerClient, sums: Mapping[str, float]) -> int:
         """Compare the server's sums with what was sent; returns how many tensors were

@@ -56,15 +56,15 @@ import atexit
 import json
 import math
 import shutil
-import tempfile
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from saopd.serving.scratch import owned_dir, remove_stale_dirs
+
 __all__ = [
-    "SHM",
     "canonical_weight_name",
     "check_sync",
     "checked_weights",
@@ -75,19 +75,11 @@ __all__ = [
     "new_sync_dir",
     "reload_weights",
     "resolve_transport",
-    "shm_dir",
     "write_shards",
 ]
 
-#: RAM-backed folder for the engine's model copy and sync shards, where the machine has one.
-SHM = Path("/dev/shm")
 # module-name segments that wrappers insert (torch.compile, FSDP1, activation checkpointing)
 _WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def shm_dir() -> Path | None:
-    """:data:`SHM` when the machine has it, else None (the system's temporary folder)."""
-    return SHM if SHM.is_dir() else None
 
 
 def canonical_weight_name(name: str) -> str:
@@ -217,8 +209,10 @@ def iter_with_sums(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
 def new_sync_dir(parent: Path | None, model_dir: Path) -> Path:
     """A fresh folder for the ``files`` transport's shards under ``parent`` (None = the
     system's temporary folder), removed at exit, holding ``model_dir``'s ``config.json`` and
-    ``generation_config.json``."""
-    folder = Path(tempfile.mkdtemp(prefix="saopd-vllm-sync-", dir=parent))
+    ``generation_config.json`` (and its owner record: the folders of dead runs under ``parent``
+    are removed first, :func:`~saopd.serving.scratch.remove_stale_dirs`)."""
+    remove_stale_dirs(parent)
+    folder = owned_dir("saopd-vllm-sync-", parent)
     atexit.register(shutil.rmtree, folder, True)
     for name in ("config.json", "generation_config.json"):
         if (model_dir / name).is_file():

@@ -18,7 +18,12 @@ teacher scores while the student's residual and full passes run. Backends
   own process by default, so the teacher computes while the trainer computes; on GPU on its own
   devices, ``teacher_scoring.devices``).
 - ``vllm_server`` (:class:`VLLMServerTeacherScorer`): ``saopd-serve`` servers of the teacher over
-  HTTP (``/v1/completions``); the trainer imports no ``vllm``.
+  HTTP (``/v1/completions``); the trainer imports no ``vllm``. At start-up every server must
+  prove it serves the teacher (:class:`TeacherReference`, built from the teacher's config by
+  :func:`teacher_reference`): the same architecture and sizes, the same tokenization of a probe
+  text and the same weight files (their SHA-256 digest, computed where the files are:
+  :mod:`saopd.serving.weights_files`); a server of another model or checkpoint is refused,
+  naming both.
 
 The vLLM backends send the exact context ids saopd built (each row's real tokens, padding
 removed; both paddings) as token-id prompts, the full contexts and, when the step needs them,
@@ -62,6 +67,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -73,7 +79,9 @@ from saopd.scoring.passes import (
     TeacherScores,
     score_teacher,
 )
-from saopd.serving.http import JsonClient
+from saopd.serving.auth import client_api_key
+from saopd.serving.http import JsonClient, ServerError
+from saopd.serving.identity import config_differences, config_values
 from saopd.serving.vllm_runtime import (
     LAUNCHER_VARIABLES,
     cpu_kv_cache_bytes,
@@ -82,14 +90,19 @@ from saopd.serving.vllm_runtime import (
     shutdown_llm,
     temporary_environ,
 )
+from saopd.serving.weights_files import WeightsDigest, weights_digest
 from saopd.signals.token_signals import STUDENT_TOPK_FIELDS, TEACHER_TOPK_FIELDS
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from saopd.config.model import ModelConfig
+    from saopd.config.teacher_scoring import TeacherScoringConfig
+
 __all__ = [
     "DoneTeacherScores",
     "HFTeacherScorer",
+    "TeacherReference",
     "TeacherScorer",
     "TeacherServiceError",
     "VLLMServerTeacherScorer",
@@ -98,15 +111,17 @@ __all__ = [
     "context_prompts",
     "response_token_index",
     "scores_from_prompt_logprobs",
+    "teacher_reference",
     "unservable",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class TeacherServiceError(OSError):
-    """A teacher server (or engine) failed, cannot be reached, or answered something unusable;
-    the message names it. An ``OSError``, so ``saopd-train`` reports it as a one-line error."""
+class TeacherServiceError(ServerError):
+    """A teacher server (or engine) failed, cannot be reached, answered something unusable or
+    does not serve the teacher; the message names it. An ``OSError``, so ``saopd-train`` reports
+    it as a one-line error."""
 
 
 @runtime_checkable
@@ -518,11 +533,53 @@ class VLLMTeacherScorer:
 # ---------------------------------------------------------------------------------------------
 # vllm_server (saopd-serve servers of the teacher)
 
-def _server(url: str, timeout: float) -> JsonClient:
+def _server(url: str, timeout: float, api_key: str | None) -> JsonClient:
     """JSON over HTTP with one teacher server; every error names its URL."""
     return JsonClient(url, timeout, role="teacher server", error=TeacherServiceError,
                       request_option="teacher_scoring.request_timeout",
-                      startup_option="teacher_scoring.startup_timeout")
+                      startup_option="teacher_scoring.startup_timeout", api_key=api_key,
+                      key_option="teacher_scoring.api_key_file")
+
+
+@dataclass(frozen=True)
+class TeacherReference:
+    """What a teacher server must serve (:func:`teacher_reference`).
+
+    Attributes:
+        name: the teacher as configured (``teacher.name_or_path``), for messages.
+        config: its :func:`~saopd.serving.identity.config_values`.
+        weights: the fingerprint of its weight files.
+    """
+
+    name: str
+    config: dict[str, Any]
+    weights: WeightsDigest
+
+
+def teacher_reference(teacher: ModelConfig) -> TeacherReference:
+    """The :class:`TeacherReference` of the teacher ``teacher`` configures: its config and the
+    digest of its weight files, read where they are (a folder, the local hub cache, else the
+    hub's file list). ``ValueError`` for a teacher that exists only once built (tiny, pruned,
+    GGUF: its served copy cannot be checked against its config), ``OSError`` when its files
+    cannot be read."""
+    from transformers import AutoConfig
+
+    from saopd.models.loading import resolve_source
+
+    name = teacher.name_or_path
+    if (name is None or teacher.tiny is not None or teacher.prune_every is not None
+            or teacher.prune_keep is not None or str(name).lower().endswith(".gguf")):
+        raise ValueError(
+            "teacher_scoring=vllm_server checks that every server serves the teacher's weight "
+            "files, which needs a teacher given as an HF folder or hub id (teacher.name_or_path; "
+            "no tiny, pruned or GGUF teacher, which exists only once built): save it "
+            "(save_pretrained, with its tokenizer), serve that folder and name it in "
+            "teacher.name_or_path")
+    source = resolve_source(name, None, kind="model")
+    config = AutoConfig.from_pretrained(source.location, revision=teacher.revision,
+                                        trust_remote_code=teacher.trust_remote_code)
+    return TeacherReference(str(name), config_values(config),
+                            weights_digest(source.location, teacher.revision))
 
 
 class VLLMServerTeacherScorer:
@@ -530,22 +587,29 @@ class VLLMServerTeacherScorer:
 
     Start-up waits for every server's ``/health``, reads ``/v1/models`` (``model``, or the
     first server's model, which every server must serve; the smallest ``max_model_len``) and
-    checks that each server tokenizes a probe text as ``tokenizer`` (the teacher's) does
-    (``/tokenize``). Each step's contexts are dealt out over the servers in contiguous shares,
-    each share split into ``max_concurrent_requests`` requests (``/v1/completions`` with the
-    token-id prompts, ``max_tokens: 1``, ``prompt_logprobs: K``, ``return_token_ids``), sent in
-    parallel threads. Every failure raises :class:`TeacherServiceError` naming the server.
+    checks that each server serves the teacher: it tokenizes a probe text as ``tokenizer`` (the
+    teacher's) does (``/tokenize``) and, with ``teacher`` (:class:`TeacherReference`), its
+    model's config and weight files' digest are the teacher's (``saopd_server_info``,
+    ``saopd_server_weights_digest``). Each step's contexts are dealt out over the servers in
+    contiguous shares, each share split into ``max_concurrent_requests`` requests
+    (``/v1/completions`` with the token-id prompts, ``max_tokens: 1``, ``prompt_logprobs: K``,
+    ``return_token_ids``), sent in parallel threads. Every failure raises
+    :class:`TeacherServiceError` naming the server. :meth:`from_config` is how ``saopd-train``
+    builds it (with the reference).
     """
 
     name = "vllm_server"
     PROBE_TEXT = "The teacher scores 12 * 7 = 84 tokens, step by step."
 
     def __init__(self, urls: Sequence[str], *, tokenizer: Any | None = None,
-                 model: str | None = None, top_k: int = 0, request_timeout: float = 1800.0,
-                 startup_timeout: float = 600.0, max_concurrent_requests: int = 1) -> None:
+                 teacher: TeacherReference | None = None, model: str | None = None,
+                 top_k: int = 0, request_timeout: float = 1800.0,
+                 startup_timeout: float = 600.0, max_concurrent_requests: int = 1,
+                 api_key_file: str | None = None) -> None:
         if not urls:
             raise ValueError("teacher_scoring=vllm_server needs teacher_scoring.urls")
-        self.servers = [_server(u, request_timeout) for u in urls]
+        self.servers = [_server(u, request_timeout, client_api_key(
+            api_key_file, u, "teacher_scoring.api_key_file")) for u in urls]
         self.top_k = int(top_k)
         self.max_concurrent_requests = int(max_concurrent_requests)
         deadline = time.monotonic() + startup_timeout
@@ -581,11 +645,25 @@ class VLLMServerTeacherScorer:
                     raise TeacherServiceError(
                         f"teacher server {server.url} tokenizes a probe text as {tokens}, the "
                         f"teacher's tokenizer as {want}: it does not serve the teacher")
+        if teacher is not None:
+            for server in self.servers:
+                _check_serves(server, teacher)
         workers = len(self.servers) * self.max_concurrent_requests
         self._pool = ThreadPoolExecutor(max_workers=workers + 1,
                                         thread_name_prefix="saopd-teacher")
         self.last_score_seconds: float | None = None
         self.last_prompts_per_server: list[int] = [0] * len(self.servers)
+
+    @classmethod
+    def from_config(cls, conf: TeacherScoringConfig, teacher: ModelConfig,
+                    tokenizer: Any) -> VLLMServerTeacherScorer:
+        """The scorer of ``teacher_scoring=vllm_server``: ``conf``'s servers, checked against
+        the teacher ``teacher`` configures (:func:`teacher_reference`) and its tokenizer."""
+        return cls(conf.urls, tokenizer=tokenizer, teacher=teacher_reference(teacher),
+                   model=conf.model, top_k=conf.top_k, request_timeout=conf.request_timeout,
+                   startup_timeout=conf.startup_timeout,
+                   max_concurrent_requests=conf.max_concurrent_requests,
+                   api_key_file=conf.api_key_file)
 
     def _request(self, server: JsonClient, prompts: list[list[int]], k: int
                  ) -> list[tuple[list[int], list[Any]]]:
@@ -676,6 +754,35 @@ class VLLMServerTeacherScorer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_serves(server: JsonClient, teacher: TeacherReference) -> None:
+    """``TeacherServiceError`` naming both unless ``server`` serves ``teacher``: its model's
+    config and its weight files' digest."""
+    info = server.rpc("saopd_server_info")
+    served, config = info.get("model"), info.get("config")
+    if not isinstance(config, dict):
+        raise server.garbage("/collective_rpc saopd_server_info", "the served model's config",
+                             info)
+    if info.get("broken"):
+        raise TeacherServiceError(f"teacher server {server.url}: a weight reload failed there "
+                                  f"({info['broken']}); restart it (saopd-serve)")
+    differ = config_differences(config, teacher.config, "teacher")
+    if differ:
+        raise TeacherServiceError(
+            f"teacher server {server.url} serves {served!r}, a model that differs from the "
+            f"teacher {teacher.name!r}: {', '.join(differ)}; serve the teacher (saopd-serve "
+            "--model <teacher.name_or_path>)")
+    got = server.rpc("saopd_server_weights_digest")
+    if not isinstance(got.get("digest"), str):
+        raise TeacherServiceError(f"teacher server {server.url} cannot fingerprint the weights "
+                                  f"it serves: {got.get('error') or got}")
+    if got["digest"] != teacher.weights.digest:
+        raise TeacherServiceError(
+            f"teacher server {server.url} serves the weights of {got.get('source')!r} (SHA-256 "
+            f"digest {got['digest'][:16]}), not those of the teacher {teacher.name!r} "
+            f"({teacher.weights.source}, {teacher.weights.digest[:16]}): another checkpoint of "
+            "the same architecture; serve the teacher's folder")
 
 
 def _json_entry(entry: Any) -> dict[int, float]:

@@ -13,6 +13,7 @@ and ``saopd-serve``'s command line. The real server: tests/integration/vllm/test
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -32,8 +33,8 @@ import torch.multiprocessing as mp
 from saopd.config.rollout import VLLMServerRolloutConfig
 from saopd.rollout import ENGINES, SamplingParams, build_engine
 from saopd.rollout.vllm_server import RolloutServerError, ServerClient, VLLMServerEngine
-from saopd.rollout.vllm_worker import INSTANCE_ENV, STARTED_ENV, WORKER_EXTENSION
-from saopd.serve import build_command
+from saopd.rollout.vllm_worker import INSTANCE_ENV, PROBE_FILE, STARTED_ENV, WORKER_EXTENSION
+from saopd.serve import GUARD, build_command, weights_dir
 from saopd.serve import main as serve_main
 
 CHATS = [[{"role": "user", "content": "Alice has 3 apples. How many?"}],
@@ -60,6 +61,8 @@ class FakeServer:
                        for n, t in params.items()}
         self.config = config or {}
         self.model = model
+        # the folder it reloads from (saopd-serve --weights-dir): the engine's default parent
+        self.weights_dir = str(weights_dir(None))
         self.instance, self.pid = "instance-a", 1234
         self.faults: dict[str, Any] = {}
         self.requests: list[tuple[str, Any]] = []
@@ -127,15 +130,17 @@ class FakeServer:
         if method == "saopd_server_info":
             return {"instance": self.instance, "started": 1.0e9, "pid": self.pid,
                     "host": "fake", "dtype": "float32", "logprobs_mode": "raw_logprobs",
-                    "config": self.config}
+                    "model": self.model, "config": self.config,
+                    "weights_dir": self.weights_dir, "broken": None}
         if method == "saopd_server_shapes":
             return {"shapes": {n: list(t.shape) for n, t in self.served.items()},
                     "names": {n: n for n in args[0]}}
         if method == "saopd_server_read_probe":
             try:
-                return {"text": Path(args[0]).read_text()}
+                probe = (Path(args[0]) / PROBE_FILE).read_bytes()
             except OSError as err:
                 return {"error": str(err)}
+            return {"sha256": hashlib.sha256(probe).hexdigest()}
         if method == "saopd_server_reload":
             from safetensors.torch import load_file
 
@@ -175,6 +180,7 @@ def fake() -> Iterator[FakeServer]:
 
 @pytest.fixture
 def engine(fake: FakeServer, tiny_tok: Any, tmp_path: Path) -> Iterator[VLLMServerEngine]:
+    fake.weights_dir = str((tmp_path / "weights").resolve())
     eng = _engine([fake.url], tiny_tok, weights_dir=tmp_path / "weights")
     yield eng
     eng.close()
@@ -235,8 +241,8 @@ def test_sync_writes_shards_reloads_resets_and_checks(fake, engine, tmp_path) ->
         assert torch.equal(fake.served[name][: tensor.shape[0]], tensor)
     folder = engine._sync_dir
     assert folder.parent == tmp_path / "weights"
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "model-00000.safetensors", "model.safetensors.index.json"]  # the probe is gone
+    assert sorted(p.name for p in folder.iterdir()) == [  # the probe is gone
+        ".saopd-owner.json", "model-00000.safetensors", "model.safetensors.index.json"]
     engine.load_weights(new.items())
     assert fake.reloads == 2 and engine.last_sync_seconds is not None
     engine.close()
@@ -291,7 +297,7 @@ def test_an_unhealthy_server_times_out_with_its_status(fake, tiny_tok) -> None:
      r"has no worker method 'saopd_server_info'"),
     ("saopd_server_info", (200, {"results": ["oops"]}), r"not a JSON object per worker"),
     ("saopd_server_info", (200, {"results": [{"instance": "a"}]}),
-     r"not instance, pid, dtype and config"),
+     r"not instance, pid, dtype, config and weights_dir"),
 ])
 def test_garbage_at_start_up_names_the_url(fake, tiny_tok, path, answer, match) -> None:
     fake.faults[path] = answer
@@ -316,7 +322,7 @@ def test_another_model_is_refused(fake, tiny_tok) -> None:
         _engine([fake.url], tiny_tok)
     fake.faults["saopd_server_info"] = (200, {"results": [{
         "instance": "a", "pid": 1, "dtype": "float32", "config": {},
-        "logprobs_mode": "processed_logprobs"}]})
+        "weights_dir": fake.weights_dir, "logprobs_mode": "processed_logprobs"}]})
     with pytest.raises(RolloutServerError, match=r"reports processed_logprobs log-probs"):
         _engine([fake.url], tiny_tok)
 
@@ -385,6 +391,7 @@ def test_prefix_cache_reset_is_retried_then_refused(fake, engine, monkeypatch) -
 def test_two_servers_share_the_prompts(tiny_tok, tmp_path) -> None:
     a, b = FakeServer(_student()), FakeServer(_student())
     try:
+        a.weights_dir = b.weights_dir = str(tmp_path.resolve())
         with _engine([a.url, b.url], tiny_tok, weights_dir=tmp_path) as eng:
             batch = eng.generate(CHATS, SamplingParams(n=2, max_new_tokens=4, seed=0))
             assert eng.last_prompts_per_server == [2, 1]
@@ -436,6 +443,7 @@ def _two_rank_worker(rank: int, port: int, url: str, out: str) -> None:
 
 def test_two_ranks_sync_through_rank_0_and_share_its_failure(tmp_path) -> None:
     fake = FakeServer(_student())
+    fake.weights_dir = str((tmp_path / "w").resolve())
     reloads = iter([None, (200, {"results": ["garbage"]})])
     fake.faults["saopd_server_reload"] = lambda body: next(reloads)
     try:
@@ -477,6 +485,7 @@ def test_build_engine_passes_the_config_to_the_engine(fake, tiny_tok, tmp_path) 
     student = tiny_qwen3(tiny_tok)
     fake.served = {n: p.detach().clone() for n, p in student.named_parameters()}
     fake.config = {"num_hidden_layers": student.config.num_hidden_layers}
+    fake.weights_dir = str(tmp_path.resolve())
     conf = VLLMServerRolloutConfig(urls=[fake.url + "/"], model="student", greedy=True,
                                    weights_dir=str(tmp_path), weight_bucket_mb=3,
                                    verify_sync=False, startup_timeout=7.0, request_timeout=9.0,
@@ -499,14 +508,14 @@ def test_saopd_serve_command() -> None:
     command, env, url = build_command(["--model", "/m", "--dtype", "float32"])
     assert url == "http://127.0.0.1:8000"
     assert command[0] == sys.executable and command[command.index("--host") + 1] == "127.0.0.1"
-    assert "/m" in command and command[-2:] == ["--dtype", "float32"]
+    assert "/m" in command and command[-4:] == ["--dtype", "float32", "--middleware", GUARD]
     assert command[command.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
     assert command[command.index("--generation-config") + 1] == "vllm"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env[INSTANCE_ENV]
     assert math.isclose(float(env[STARTED_ENV]), time.time(), abs_tol=60)
     command, _, url = build_command(["--model=/m", "--host", "0.0.0.0", "--port", "9001",
                                      "--generation-config", "auto"])
-    assert url == "http://0.0.0.0:9001" and command.count("--generation-config") == 1
+    assert url == f"http://{socket.getfqdn()}:9001" and command.count("--generation-config") == 1
     assert build_command(["--model", "/m"])[1][INSTANCE_ENV] != env[INSTANCE_ENV]
     for argv, match in [(["--model", "/m", "--worker-extension-cls", "x.Y"], "sets --worker"),
                         (["--model", "/m", "--logprobs-mode", "processed_logprobs"],
@@ -516,10 +525,11 @@ def test_saopd_serve_command() -> None:
             build_command(argv)
 
 
-def test_saopd_serve_without_vllm_says_how_to_install(capsys, monkeypatch) -> None:
+def test_saopd_serve_without_vllm_says_how_to_install(capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("saopd.serve.importlib.util.find_spec", lambda name: None)
+    (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
-        serve_main(["--model", "/m"])
+        serve_main(["--model", str(tmp_path), "--port", str(_free_port())])
     assert exit_info.value.code == 2
     assert "the vllm package is not installed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
