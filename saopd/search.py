@@ -1,0 +1,220 @@
+"""Hyperparameter search with Optuna through Hydra's sweeper: each trial's objective values.
+
+    saopd-train -m hparams_search=sa_opd_testbed          # p1, p2: accuracy up, shortcut down
+    saopd-train -m hparams_search=sa_opd experiment=smollm2_gsm8k   # p1, p2: held-out score
+    saopd-train -m hparams_search=sa_opd_flmr              # p1, p2, beta_max (FLMR bound)
+
+A ``conf/hparams_search/<name>.yaml`` picks Hydra's Optuna sweeper (``hydra-optuna-sweeper``,
+TPE sampler), the search space (``hydra.sweeper.params``), the directions
+(``hydra.sweeper.direction``) and, in the callback :class:`SearchObjectives`, the metric of
+each direction. Every trial is one ``saopd-train`` job: one run folder and one MLflow run
+(tagged ``hparams_search=<name>``, with the sweep and the trial's overrides).
+
+Objective values. The train function returns the run's summary (:func:`saopd.train.train`):
+its final metrics and every evaluation on the held-out benchmarks. :func:`objective_values`
+reads each metric from the *last* evaluation (the configs evaluate after the last step:
+``eval.every_n_steps: ${steps}``), else from the final training metrics.
+:meth:`SearchObjectives.on_job_end` hands the values to the sweeper as the job's return value
+(one float per direction) and records the trial in ``<sweep dir>/trials.jsonl``; a job that
+failed, or lacks a metric, becomes a failed trial with the reason, and the search goes on
+(``max_failure_rate: 1.0``). When the search ends, :meth:`SearchObjectives.on_multirun_end`
+prints the best point (with two objectives: every Pareto-optimal trial), with each one's MLflow
+run and run folder, and saves it in ``<sweep dir>/best.json`` beside Optuna's
+``optimization_results.yaml``.
+
+The held-out problems choose the hyperparameters here: a score reported on the same problems
+afterwards is optimistic. Report the chosen point on fresh seeds (and, where the benchmark has
+them, other problems).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+from omegaconf import OmegaConf
+
+from saopd.sweeps import is_multirun
+
+__all__ = ["BEST_FILE", "TRIALS_FILE", "SearchObjectives", "best_trials", "objective_values"]
+
+TRIALS_FILE = "trials.jsonl"
+BEST_FILE = "best.json"
+OPTUNA_RESULTS = "optimization_results.yaml"  # written by hydra-optuna-sweeper
+
+
+def objective_values(summary: Mapping[str, Any], metrics: Sequence[str]) -> list[float]:
+    """The value of each of ``metrics`` in a run's summary, in order.
+
+    A metric is read from the run's last evaluation (``summary["eval"]``, by step), else from
+    its final metrics (``summary["metrics"]``). Raises ``ValueError`` naming a metric that is
+    in neither (and the names that are), or whose value is not a finite number.
+    """
+    evals = summary.get("eval") or {}
+    last = evals[max(evals, key=int)] if evals else {}
+    final = summary.get("metrics") or {}
+    out = []
+    for name in metrics:
+        value = last.get(name, final.get(name))
+        if value is None:
+            have = sorted({*last, *final})
+            where = (f"the last evaluation (after step {int(max(evals, key=int)) + 1})"
+                     if evals else "the run's evaluations (it has none: eval.every_n_steps=0?)")
+            raise ValueError(f"hparams search: metric {name!r} is not in {where} nor in the "
+                             f"final metrics; the run has: {', '.join(have) or 'nothing'}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"hparams search: metric {name!r} is {value}")
+        out.append(value)
+    return out
+
+
+def _directions(sweeper: Any) -> list[str]:
+    """The sweeper's direction(s) as a list of names (``maximize`` / ``minimize``)."""
+    direction = sweeper.get("direction")
+    seq = list(direction) if isinstance(direction, Sequence) and not isinstance(
+        direction, str) else [direction]
+    return [getattr(d, "name", str(d)) for d in seq]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+
+
+def best_trials(sweep_dir: Path) -> list[dict[str, Any]]:
+    """The best trial(s) of a finished search, from Optuna's results and the trials' records.
+
+    One entry per best point (one objective: the best trial; several: each Pareto-optimal
+    one), with its ``params``, ``values`` and, from ``trials.jsonl``, the ``job`` number, MLflow
+    ``run_id`` and ``output_dir`` of the trial that ran those params. Raises
+    ``FileNotFoundError`` when the sweeper wrote no results (the search did not finish).
+    """
+    results_path = sweep_dir / OPTUNA_RESULTS
+    if not results_path.is_file():
+        raise FileNotFoundError(f"{results_path}: the search wrote no results")
+    results = OmegaConf.to_container(OmegaConf.load(results_path))
+    assert isinstance(results, dict)
+    if "solutions" in results:
+        points = [{"params": s["params"], "values": s["values"]} for s in results["solutions"]]
+    else:
+        points = [{"params": results["best_params"], "values": [results["best_value"]]}]
+    trials = [t for t in _read_jsonl(sweep_dir / TRIALS_FILE) if t.get("status") == "ok"]
+    for point in points:
+        wanted = {f"{k}={v}" for k, v in point["params"].items()}  # the sweeper's override text
+        match = next((t for t in trials if wanted <= set(t["overrides"])), None)
+        point.update({k: match.get(k) if match else None
+                      for k in ("job", "run_id", "output_dir")})
+    return points
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class SearchObjectives(_HydraCallback):  # type: ignore[misc]
+    """Hydra callback of ``conf/hparams_search/*.yaml``: each trial's objective values, and the
+    best point when the search ends.
+
+    Args:
+        metrics: the metric of each of ``hydra.sweeper.direction``, in the same order (e.g.
+            ``[eval/arith/avg_at_4, eval/arith/shortcut]`` with ``[maximize, minimize]``).
+    """
+
+    def __init__(self, metrics: Sequence[str]) -> None:
+        if isinstance(metrics, str) or not metrics:
+            raise ValueError("SearchObjectives: metrics must be a non-empty list of metric "
+                             f"names, got {metrics!r}")
+        self.metrics = [str(m) for m in metrics]
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """Refuse (exit 2) a search whose directions and metrics do not pair up."""
+        sweeper = config.hydra.sweeper
+        problem = None
+        if "optuna" not in str(sweeper.get("_target_", "")).lower():
+            problem = ("the hparams_search callback needs Hydra's Optuna sweeper "
+                       "(hydra/sweeper=optuna), got " + str(sweeper.get("_target_")))
+        else:
+            directions = _directions(sweeper)
+            if len(directions) != len(self.metrics):
+                problem = (f"hydra.sweeper.direction has {len(directions)} direction(s) "
+                           f"{directions} for {len(self.metrics)} metric(s) {self.metrics} "
+                           "(hydra.callbacks.search_objectives.metrics): one metric each")
+        if problem is not None:
+            print(f"saopd-train: error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)  # Hydra turns a callback's exceptions into warnings
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        """Replace a finished job's summary by its objective values (the sweeper reads them);
+        record the trial; turn a job without them into a failed trial naming why."""
+        if not is_multirun():
+            return
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.core.utils import JobStatus
+
+        hc = HydraConfig.get()
+        row: dict[str, Any] = {"job": int(hc.job.num), "overrides": list(hc.overrides.task)}
+        summary = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        try:
+            if not isinstance(summary, Mapping):  # saopd.train.main returned None: it failed
+                raise RuntimeError("the training job failed (see FAILED.json in "
+                                   f"{hc.runtime.output_dir})")
+            values = objective_values(summary, self.metrics)
+        except (ValueError, RuntimeError) as err:
+            row.update(status="failed", error=str(err))
+            if job_return.status == JobStatus.COMPLETED:
+                job_return.status = JobStatus.FAILED
+                job_return.return_value = err  # the sweeper marks the trial failed
+        else:
+            row.update(status="ok", values=dict(zip(self.metrics, values, strict=True)),
+                       run_id=summary.get("run_id"), output_dir=summary.get("output_dir"))
+            job_return.return_value = values[0] if len(values) == 1 else values
+        path = Path(hc.sweep.dir) / TRIALS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path) + ".lock"), path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        """Print the best point(s) and save them in ``<sweep dir>/best.json``."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        try:
+            points = best_trials(sweep_dir)
+        except FileNotFoundError as err:
+            print(f"hparams search: no best point: {err}", flush=True)
+            return
+        directions = _directions(config.hydra.sweeper)
+        trials = _read_jsonl(sweep_dir / TRIALS_FILE)
+        failed = sum(t["status"] != "ok" for t in trials)
+        record = {"sweep_dir": str(sweep_dir.resolve()),
+                  "objectives": [{"metric": m, "direction": d}
+                                 for m, d in zip(self.metrics, directions, strict=True)],
+                  "trials": len(trials), "failed": failed, "best": points}
+        tmp = sweep_dir / (BEST_FILE + ".tmp")
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, sweep_dir / BEST_FILE)
+        goal = ", ".join(f"{d} {m}" for m, d in zip(self.metrics, directions, strict=True))
+        kind = "best trial" if len(points) == 1 else f"{len(points)} Pareto-optimal trials"
+        lines = [f"hparams search: {len(trials)} trials ({failed} failed) in {sweep_dir}",
+                 f"  {goal}: {kind}"]
+        for p in points:
+            params = " ".join(f"{k}={_short(v)}" for k, v in p["params"].items())
+            values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.metrics, p["values"],
+                                                               strict=True))
+            lines.append(f"  #{p['job']} {params} -> {values}")
+            lines.append(f"      MLflow run {p['run_id']}, outputs {p['output_dir']}")
+        lines.append(f"  saved: {sweep_dir / BEST_FILE} (Optuna's: {OPTUNA_RESULTS})")
+        print("\n".join(lines), flush=True)
