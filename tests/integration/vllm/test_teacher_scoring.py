@@ -14,8 +14,12 @@ no teacher module; ``teacher_scoring=vllm_server`` trains 3 steps against a loop
 from __future__ import annotations
 
 import os
+import secrets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the saopd-serve servers started here and their clients share one API key (every endpoint
+# needs it) through the environment
+os.environ.setdefault("SAOPD_SERVE_API_KEY", secrets.token_urlsafe(24))
 
 import contextlib
 import dataclasses

@@ -17,8 +17,12 @@ DEVICES URL``), which Lightning re-launches for rank 1.
 from __future__ import annotations
 
 import os
+import secrets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the saopd-serve servers started here and their clients share one API key (every endpoint
+# needs it) through the environment
+os.environ.setdefault("SAOPD_SERVE_API_KEY", secrets.token_urlsafe(24))
 
 import contextlib
 import json
@@ -153,8 +157,8 @@ def _max_logprob_error(model, batch) -> float:
 SAMPLING = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=12, seed=11)
 
 
-def test_sampled_logprobs_equal_teacher_forcing_after_a_sync(servers, tok, tmp_path) -> None:
-    with _engine(tok, [servers["a"].url], weights_dir=tmp_path) as eng:
+def test_sampled_logprobs_equal_teacher_forcing_after_a_sync(servers, tok) -> None:
+    with _engine(tok, [servers["a"].url]) as eng:
         assert (eng.dtype, eng.max_model_len) == (torch.float32, 512)
         new = tiny_qwen3(tok, seed=3)
         eng.load_weights(new.named_parameters())
@@ -301,12 +305,12 @@ def test_two_ranks_sync_through_rank_0_and_equal_one_process(servers, tmp_path) 
                                        msg=f"{strategy} {key}")
 
 
-def test_two_servers_share_the_prompts(servers, tok, tmp_path) -> None:
+def test_two_servers_share_the_prompts(servers, tok) -> None:
     new = tiny_qwen3(tok, seed=4)
-    with _engine(tok, [servers["a"].url], weights_dir=tmp_path / "one") as one:
+    with _engine(tok, [servers["a"].url]) as one:
         one.load_weights(new.named_parameters())
         alone = one.generate(CHATS, SAMPLING)
-    with _engine(tok, [servers["a"].url, servers["b"].url], weights_dir=tmp_path / "two") as two:
+    with _engine(tok, [servers["a"].url, servers["b"].url]) as two:
         two.load_weights(new.named_parameters())
         shared = two.generate(CHATS, SAMPLING)
         assert two.last_prompts_per_server == [2, 2]
@@ -316,10 +320,9 @@ def test_two_servers_share_the_prompts(servers, tok, tmp_path) -> None:
                                                             alone.rollouts]
 
 
-def test_a_killed_server_is_named_and_a_restarted_one_refused(servers, model_dir, tok,
-                                                               tmp_path) -> None:
+def test_a_killed_server_is_named_and_a_restarted_one_refused(servers, model_dir, tok) -> None:
     a, b = servers["a"], servers["b"]
-    eng = _engine(tok, [a.url, b.url], weights_dir=tmp_path, request_timeout=60)
+    eng = _engine(tok, [a.url, b.url], request_timeout=60)
     eng.load_weights(tiny_qwen3(tok, seed=5).named_parameters())
     eng.generate(CHATS, SAMPLING)
     b.kill()  # SIGKILL, API server and engine core
