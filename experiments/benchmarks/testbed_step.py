@@ -17,10 +17,12 @@ rollout (``HFGenerateEngine(lean_decode=False)``) and one padded forward with th
 ``MAX_LENGTH_BUCKETS = --buckets`` (1, the default: no padding mask, bit-identical; 4: length
 buckets, float rounding). For every step the script checks that both variants sampled the same
 tokens with the same sampler log-probs (bit for bit) and reports the largest difference of the
-teacher's log-probs and both losses. A third variant, ``what_if``, times what the speed-ups
-that do change the results would give (not compared: other samples): the lean loop sampling by
-inverse CDF (one uniform per row) instead of ``torch.multinomial`` (whose CPU kernel draws one
-exponential per vocabulary entry), and ``MAX_LENGTH_BUCKETS = 4``.
+teacher's log-probs and both losses. A third variant, ``fast``, is the testbed's fast mode,
+which changes the random stream (compared over seeds in docs/benchmarks.md, not here):
+``rollout.sampler=inverse_cdf`` (one uniform per row instead of ``torch.multinomial``, whose
+CPU kernel draws one exponential per vocabulary entry; :mod:`saopd.rollout.sampling`), and the
+evaluation with ``eval.sampler=inverse_cdf eval.batch_size=200`` (all 200 problems per call
+instead of 8).
 
     .venv/bin/python experiments/benchmarks/testbed_step.py --steps 6 --evals 2 \\
         --out docs/figures/testbed_step.json
@@ -57,9 +59,10 @@ from saopd.scoring import passes
 from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ("before", "after", "what_if")
-AFTER_BUCKETS = 1  # saopd.scoring.passes.MAX_LENGTH_BUCKETS of "after" (--buckets)
-_MULTINOMIAL = torch.multinomial
+VARIANTS = ("before", "after", "fast")
+AFTER_BUCKETS = 1  # saopd.scoring.passes.MAX_LENGTH_BUCKETS of "after" and "fast" (--buckets)
+#: Problems per ``generate`` call of each variant's evaluation (``eval.batch_size``).
+EVAL_BATCH = {"before": 8, "after": 8, "fast": 200}
 
 
 def _load_prompts(path: Path, count: int) -> list[list[dict[str, str]]]:
@@ -68,19 +71,9 @@ def _load_prompts(path: Path, count: int) -> list[list[dict[str, str]]]:
     return [row["messages"] for row in rows]
 
 
-def _inverse_cdf(probs: torch.Tensor, num_samples: int = 1, **_: Any) -> torch.Tensor:
-    """One uniform per row against the row's cumulative probabilities: ``[R, V]`` -> ``[R, 1]``
-    (what_if only: a different random stream from ``torch.multinomial``'s)."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u).clamp_(max=probs.shape[-1] - 1)
-
-
 def _set_variant(name: str) -> None:
-    """The scoring passes' switch (the engine's is its ``lean_decode`` argument); ``what_if``
-    also samples by inverse CDF and buckets by length (timing only: not the same results)."""
-    passes.MAX_LENGTH_BUCKETS = {"before": 0, "after": AFTER_BUCKETS, "what_if": 4}[name]
-    torch.multinomial = _inverse_cdf if name == "what_if" else _MULTINOMIAL  # type: ignore
+    """The scoring passes' switch (the engine's are its ``lean_decode`` and ``sampler``)."""
+    passes.MAX_LENGTH_BUCKETS = 0 if name == "before" else AFTER_BUCKETS
 
 
 class Run:
@@ -89,7 +82,8 @@ class Run:
     def __init__(self, name: str, student: torch.nn.Module, tokenizer: Any, lr: float) -> None:
         self.name = name
         self.student = copy.deepcopy(student)
-        self.engine = HFGenerateEngine(self.student, tokenizer, lean_decode=name != "before")
+        self.engine = HFGenerateEngine(self.student, tokenizer, lean_decode=name != "before",
+                                       sampler="inverse_cdf" if name == "fast" else "multinomial")
         self.opt = torch.optim.AdamW(self.student.parameters(), lr=lr)
         self.times: dict[str, list[float]] = {}
 
@@ -144,7 +138,7 @@ def _evaluate(run: Run, tokenizer: Any, problems: list[Any]) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         res = evaluate_benchmark("arith", problems, run.engine, tokenizer, sampling,
-                                 batch_size=8, grade_workers=0)
+                                 batch_size=EVAL_BATCH[run.name], grade_workers=0)
     finally:
         del run.engine.generate
     total = time.perf_counter() - started
@@ -219,7 +213,7 @@ def main() -> None:
                 else values
             med[name] = statistics.median(values)
         med["ratio"] = med["before"] / med["after"]
-        med["ratio_what_if"] = med["before"] / med["what_if"]
+        med["ratio_fast"] = med["before"] / med["fast"]
         phases[phase] = med
     step_phases = ("rollout", "contexts", "frozen", "student")
     totals = {name: sum(phases[p][name] for p in step_phases) for name in VARIANTS}
@@ -227,7 +221,7 @@ def main() -> None:
     report = {
         "phases_median_s": phases,
         "step_s": totals, "step_ratio": totals["before"] / totals["after"],
-        "step_ratio_what_if": totals["before"] / totals["what_if"],
+        "step_ratio_fast": totals["before"] / totals["fast"],
         "step_with_eval_every_25_s": amortised,
         "checks": checks, "evals": evals,
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -96,6 +96,34 @@ def _fmt(mean: float, half: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
+def solution_shares(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """The share of ``samples`` (an evaluation's per-sample rows) of each kind of worked solution
+    (:func:`saopd.stages.testbed.classify_solution`: exact column lines, a wrong line, too few or
+    too many lines, the shortcut), keyed ``sol/<kind>``."""
+    from saopd.stages.testbed import SOLUTION_KINDS, Problem, classify_solution
+
+    counts = dict.fromkeys(SOLUTION_KINDS, 0)
+    for row in samples:  # ids are "arith-test-<a>+<b>"
+        a, b = (int(x) for x in str(row["id"]).rsplit("-", 1)[1].split("+"))
+        counts[classify_solution(str(row["response"]), Problem(a, b))] += 1
+    return {f"sol/{k}": v / max(len(samples), 1) for k, v in counts.items()}
+
+
+def final_eval_samples(uri: str, run_id: str) -> list[dict[str, Any]] | None:
+    """The per-sample rows of a run's last evaluation, read from its run folder (the sweep's
+    ``sweep``/``sweep_job`` tags); None when the folder is not on this machine."""
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(uri).get_run(run_id).data.tags
+    if "sweep" not in tags or "sweep_job" not in tags:
+        return None
+    evals = sorted((Path(tags["sweep"]) / tags["sweep_job"] / "eval").glob("step_*/arith.jsonl"))
+    if not evals:
+        return None
+    with evals[-1].open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]]:
     """Held-out accuracy and habit rates of the untrained student and of the teacher, sampled
     as the runs' evaluations sample (the experiment's k, temperature, top-p and length), one
@@ -125,7 +153,8 @@ def references(seeds: list[int], limit: int) -> dict[str, dict[str, list[float]]
                                                     top_p=float(EVAL["top_p"]),
                                                     max_new_tokens=int(EVAL["max_new_tokens"]),
                                                     seed=seed), batch_size=64)
-            for key, value in {"accuracy": res.score, **res.extra}.items():
+            for key, value in {"accuracy": res.score, **res.extra,
+                               **solution_shares(res.samples)}.items():
                 rows.setdefault(key, []).append(value)
         out[label] = rows
         print(label, {k: _fmt(*mean_ci95(v)) for k, v in rows.items()}, flush=True)
@@ -192,6 +221,10 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
                 row[key] = float(pts.value.iloc[-1]) if len(pts) else float("nan")
             else:  # training metrics: the mean over the run's steps
                 row[key] = float(pts.value.mean()) if len(pts) else float("nan")
+        samples = final_eval_samples(uri, run_id)
+        if samples is None:
+            print(f"run {run_id}: its run folder is not here; no solution kinds", flush=True)
+        row.update(solution_shares(samples) if samples is not None else {})
         files = download_token_records(uri, run_id, OUT / ".records" / run_id)
         records = read_token_records(files[0].parent) if files else []
         counts = selection_by_source((x for r in records for x in r["responses"]), habits,
@@ -207,7 +240,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     for label in methods:
         ids = runs[runs.label == label]["run_id"]
         cols = per_run[ids.iloc[0]].keys()
-        table[label] = {c: mean_ci95([per_run[i][c] for i in ids]) for c in cols}
+        table[label] = {c: mean_ci95([per_run[i].get(c, math.nan) for i in ids]) for c in cols}
     harm = harm_table(runs, per_run)
     _write_tables(study, table, refs, habits, n_seeds=runs.groupby("label").size().to_dict(),
                   what_if={r: c.summary() for r, c in what_if.items() if sa_opd_ids}, harm=harm)
@@ -277,6 +310,17 @@ def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
                 "sel/filtered_from_grounded", "sel/abs_a_shortcut", "sel/abs_a_grounded",
                 "sel/gap_shortcut", "sel/gap_habit", "sel/gap_slot", "sel/gap_grounded"]
         lines.append(f"| {label} | " + " | ".join(_fmt(*cols[k]) for k in keys) + " |")
+    kinds = ["lines_right", "wrong_line", "too_few_lines", "too_many_lines", "shortcut"]
+    lines += ["", f"## {study}: where the answers go wrong (the final evaluation's samples, "
+              "against the exact column lines; share of samples; mean ± 95% CI over seeds)", "",
+              "| method | column lines exact | a wrong line | too few lines | too many lines | "
+              "shortcut (no line) |", "|---" * 6 + "|"]
+    for label, vals in refs.items():
+        lines.append(f"| {label} | " + " | ".join(
+            _fmt(*mean_ci95(vals.get(f"sol/{k}", []))) for k in kinds) + " |")
+    for label, cols in table.items():
+        lines.append(f"| {label} | " + " | ".join(
+            _fmt(*cols.get(f"sol/{k}", (math.nan, math.nan))) for k in kinds) + " |")
     if what_if:
         lines += ["", f"## {study}: what SA-OPD's rule (Eq. 16) would remove at other (p1, p2), "
                   "re-applied to the token records of the SA-OPD runs (all seeds pooled)", "",

@@ -42,6 +42,7 @@ import json
 import logging
 import math
 import random
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -56,8 +57,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "SOLUTION_KINDS",
     "Problem",
     "build_example_ids",
+    "classify_solution",
     "corrupt_one_digit",
     "habits_from_params",
     "make_problems",
@@ -113,6 +116,32 @@ def solution_text(problem: Problem, *, worked: bool = True) -> str:
         carry = total // 10
     lines.append(f"{ANSWER_PREFIX} \\boxed{{{problem.answer}}}.")
     return "\n".join(lines)
+
+
+#: How a response's worked solution compares with :func:`solution_text`'s column lines
+#: (:func:`classify_solution`), in table order.
+SOLUTION_KINDS = ("lines_right", "wrong_line", "too_few_lines", "too_many_lines", "shortcut")
+_COLUMN_LINE = re.compile(r"^\d+( \+ \d+)* = \d*$")
+
+
+def classify_solution(response: str, problem: Problem) -> str:
+    """Where a response's worked solution stands against the exact one (:data:`SOLUTION_KINDS`).
+
+    The column lines are the lines before the first answer line (``So the answer is``) of the
+    form ``d + d [+ c] = s`` (a planted habit phrase is not one). ``shortcut``: none (the
+    answer without working); ``too_few_lines`` / ``too_many_lines``: another count than the
+    problem has columns (:func:`solution_text`); ``wrong_line``: the right count with a line that
+    differs from the exact one (a wrong digit, carry or sum); ``lines_right``: every line exact
+    (the answer line may still be wrong).
+    """
+    body = response.split(ANSWER_PREFIX, 1)[0]
+    work = [line.strip() for line in body.split("\n") if _COLUMN_LINE.match(line.strip())]
+    want = solution_text(problem).split("\n")[:-1]
+    if not work:
+        return "shortcut"
+    if len(work) != len(want):
+        return "too_few_lines" if len(work) < len(want) else "too_many_lines"
+    return "lines_right" if work == want else "wrong_line"
 
 
 def render_response(problem: Problem, habits: Sequence[Habit], rate: float,

@@ -15,7 +15,9 @@ from saopd.eval.grading import grade_exact_phrases
 from saopd.eval.habits import Habit, follows_shortcut
 from saopd.stages.testbed import (
     ANSWER_PREFIX,
+    SOLUTION_KINDS,
     Problem,
+    classify_solution,
     make_problems,
     prepare_testbed_data,
     render_response,
@@ -43,6 +45,28 @@ def test_solution_is_the_column_sum_with_carries() -> None:
         "7 + 5 = 12\n4 + 8 + 1 = 13\n3 + 1 = 4\nSo the answer is \\boxed{432}.")
     assert solution_text(Problem(99, 1)) == (  # the last carry is read off the last column sum
         "9 + 1 = 10\n9 + 1 = 10\nSo the answer is \\boxed{100}.")
+
+
+def test_solutions_are_classified_against_the_exact_column_lines() -> None:
+    p = Problem(347, 85)
+    exact = solution_text(p)
+    assert classify_solution(exact, p) == "lines_right"
+    # a planted phrase before and after changes nothing; a wrong answer line after right lines
+    # is still lines_right (the answer's correctness is graded apart)
+    assert classify_solution("Let us think step by step.\n" + exact.replace("432", "431")
+                             + "\nSo we check the final result.", p) == "lines_right"
+    assert classify_solution(exact.replace("4 + 8 + 1 = 13", "4 + 8 + 1 = 14"), p) == "wrong_line"
+    assert classify_solution(exact.replace("4 + 8 + 1 = 13", "4 + 8 = 12"), p) == "wrong_line"
+    assert classify_solution("7 + 5 = 12\n4 + 8 = \nSo the answer is \\boxed{46}.", p) == (
+        "too_few_lines")  # a line cut short still counts as a line
+    assert classify_solution("7 + 5 = 12\nSo the answer is \\boxed{432}.", p) == "too_few_lines"
+    assert classify_solution(exact.replace("3 + 1 = 4\n", "3 + 1 = 4\n1 = 1\n"), p) == (
+        "too_many_lines")
+    assert classify_solution(solution_text(p, worked=False), p) == "shortcut"
+    # digits after the first answer line are not work
+    assert classify_solution("So the answer is \\boxed{432}.\n7 + 5 = 12", p) == "shortcut"
+    assert set(SOLUTION_KINDS) == {"lines_right", "wrong_line", "too_few_lines",
+                                   "too_many_lines", "shortcut"}
 
 
 def test_habits_follow_the_rate_and_not_the_input() -> None:
