@@ -17,7 +17,13 @@ from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConf
 from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.config.teacher_scoring import TeacherScoringConfig
-from saopd.config.train import ROLLOUT_SCHEMAS, TrainConfig, register_schema, to_train_config
+from saopd.config.train import (
+    ROLLOUT_SCHEMAS,
+    TrainConfig,
+    register_schema,
+    rollout_schema_name,
+    to_train_config,
+)
 
 __all__ = [
     "ROLLOUT_SCHEMAS",
@@ -37,5 +43,6 @@ __all__ = [
     "TrainerConfig",
     "VLLMRolloutConfig",
     "register_schema",
+    "rollout_schema_name",
     "to_train_config",
 ]

@@ -20,7 +20,8 @@ from saopd.config.step import OptimConfig, StepConfig
 from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.validation import check_choice, check_int
 
-__all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "to_train_config", "unknown_keys"]
+__all__ = ["ROLLOUT_SCHEMAS", "TrainConfig", "register_schema", "rollout_schema_name",
+           "to_train_config", "unknown_keys"]
 
 
 
@@ -30,8 +31,15 @@ def _rollout_schemas() -> dict[str, type[RolloutConfig]]:
     return {cls.engine: cls for cls in RolloutConfig.__subclasses__()}
 
 
-#: The schema of each rollout engine's YAML file (``<engine>_schema``), by engine name.
+#: The schema of each rollout engine's YAML file (:func:`rollout_schema_name`), by engine name.
 ROLLOUT_SCHEMAS: dict[str, type[RolloutConfig]] = _rollout_schemas()
+
+
+def rollout_schema_name(engine: str) -> str:
+    """The config-store name of ``engine``'s schema, ``rollout_<engine>_schema``: stored at the
+    root, outside the ``rollout`` group, so ``--help`` lists only real engines there;
+    ``conf/rollout/<engine>.yaml`` names it with an absolute path (``/rollout_<engine>_schema``)."""
+    return f"rollout_{engine}_schema"
 
 
 @dataclass
@@ -122,12 +130,13 @@ class TrainConfig:
 def register_schema() -> None:
     """Put every schema in Hydra's config store, where the YAML defaults lists name them:
     ``train_schema`` (``conf/train.yaml``), ``eval_schema`` (``conf/eval.yaml``) and
-    ``<engine>_schema`` in the ``rollout`` group (``conf/rollout/<engine>.yaml``)."""
+    :func:`rollout_schema_name` of each engine (``conf/rollout/<engine>.yaml``). All are stored
+    at the root, in no group: Hydra's ``--help`` lists a group's every entry as a choice."""
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalConfig)
     for name, node in ROLLOUT_SCHEMAS.items():
-        store.store(group="rollout", name=f"{name}_schema", node=node)
+        store.store(name=rollout_schema_name(name), node=node)
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from saopd.config import ROLLOUT_SCHEMAS, to_train_config
+from saopd.config import ROLLOUT_SCHEMAS, rollout_schema_name, to_train_config
 from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
 from saopd.paths import conf_dir
 from saopd.rollout import ENGINES, HFGenerateEngine, SamplingParams
@@ -324,7 +324,7 @@ def test_build_engine_passes_every_vllm_option_to_from_model(
 
 def test_hf_engine_options_are_init_keywords_with_the_config_defaults() -> None:
     own = [f.name for f in fields(HFRolloutConfig) if f.name not in SHARED]
-    assert own == ["batch_size"]
+    assert own == ["batch_size", "sampler"]
     for name in (*own, *SHARED_ENGINE_PARAMETERS):
         assert _keyword_default(HFGenerateEngine.__init__, name) == \
             _default(HFRolloutConfig, name), name
@@ -335,7 +335,7 @@ def test_build_engine_passes_every_hf_option(tiny_tok) -> None:
 
     student = tiny_qwen3(tiny_tok)
     own = {f.name: f.default for f in fields(HFRolloutConfig) if f.name not in SHARED}
-    values = {"batch_size": 3, "greedy": True}
+    values = {"batch_size": 3, "greedy": True, "sampler": "inverse_cdf"}
     assert set(values) == set(own) | SHARED_ENGINE_PARAMETERS
     conf = HFRolloutConfig(**values)
     engine = build_engine(conf, student, tiny_tok, max_prompt_length=40,
@@ -360,5 +360,5 @@ def test_rollout_yaml_files_hold_only_their_schema() -> None:
     assert [f.stem for f in files] == ENGINES.names() == sorted(ROLLOUT_SCHEMAS)
     for file in files:
         assert yaml.safe_load(file.read_text()) == {
-            "defaults": [f"{file.stem}_schema", "_self_"]}, file.name
+            "defaults": [f"/{rollout_schema_name(file.stem)}", "_self_"]}, file.name
         assert ROLLOUT_SCHEMAS[file.stem]().engine == file.stem
