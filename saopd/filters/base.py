@@ -10,7 +10,6 @@ Masks: ``keep`` is True where a token is valid AND carries loss; ``filtered = va
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -162,10 +161,6 @@ class TokenFilter:
     def needs(self) -> tuple[str, ...]:
         return self.requires
 
-    @property
-    def needs_residual(self) -> bool:
-        return "lp_teacher_res" in self.needs
-
     def __call__(self, signals: TokenSignals, *,
                  generator: torch.Generator | None = None) -> FilterResult:
         signals.require(f"filter {self.name!r}", *self.needs)
@@ -175,13 +170,6 @@ class TokenFilter:
               generator: torch.Generator | None = None) -> FilterResult:
         """Decide F for the batch (``generator``: the step's seeded RNG, for random filters)."""
         raise NotImplementedError
-
-    def config(self) -> dict[str, object]:
-        """The hyperparameters as a plain dict (``name`` included), for logging."""
-        out: dict[str, object] = {"name": self.name}
-        if dataclasses.is_dataclass(self):
-            out.update(dataclasses.asdict(self))
-        return out
 
 
 def result_from_filtered(signals: TokenSignals, filtered: torch.Tensor,

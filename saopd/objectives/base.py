@@ -7,7 +7,6 @@ multiplied by the filter's weights and is exactly 0 where the filter did not kee
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -62,12 +61,6 @@ class Objective:
 
     def token_loss(self, signals: TokenSignals, result: FilterResult) -> ObjectiveOutput:
         raise NotImplementedError
-
-    def config(self) -> dict[str, object]:
-        out: dict[str, object] = {"name": self.name}
-        if dataclasses.is_dataclass(self):
-            out.update(dataclasses.asdict(self))
-        return out
 
 
 OBJECTIVES: Registry[Objective] = Registry("objective")
