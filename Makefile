@@ -83,7 +83,7 @@ bench-rollout: setup-vllm
 	  --out docs/figures/rollout_speed.json
 
 # DVC pipeline (dvc.yaml): prepared benchmarks and training prompts, offline, local cache (the
-# paper's VLM stages prepare nothing until a source is chosen in params.yaml: README)
+# paper's VLM stages prepare nothing until a source is chosen in params.yaml: docs/vlm.md)
 data: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
@@ -205,3 +205,13 @@ planted-prior: setup
 .PHONY: testbed
 testbed: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/run.py
+
+# The documentation site (mkdocs.yml: docs/ with mkdocs-material, the pure layer's API with
+# mkdocstrings): `docs` builds it strictly (a broken link or anchor fails; tests/test_docs.py runs
+# the same build in `make test`) into outputs/site; `docs-serve` serves it at 127.0.0.1:8000 and
+# rebuilds it on every change.
+.PHONY: docs docs-serve
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet
+docs-serve: setup
+	$(VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:8000
