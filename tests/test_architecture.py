@@ -1,4 +1,4 @@
-"""The package's layers and boundaries (README, "Where things live"): the import contract in
+"""The package's layers and boundaries (docs/architecture.md): the import contract in
 pyproject.toml holds, no private name crosses modules, the config schema stays torch-free, and
 both checks really fail on a violation."""
 

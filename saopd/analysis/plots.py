@@ -36,7 +36,7 @@ LOSS_METRIC = "train/loss"
 FLMR_METRIC = "train/flmr"
 ENTROPY_METRICS = ("train/entropy_student_filtered", "train/entropy_student_kept")
 """Per-step mean student entropy H_S over the filtered set F and over the kept tokens V \\ F.
-Training logs them when the step computes H_S (see the README, "Reports and analysis")."""
+Training logs them when the step computes H_S (docs/reports.md)."""
 
 
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 150) -> Path:
@@ -165,7 +165,7 @@ def entropy_distribution_figure(tokens: pd.DataFrame, *, bins: int = 40,
     """
     if "entropy_student" not in tokens.columns or tokens["entropy_student"].isna().all():
         raise ValueError("entropy distribution: the tokens carry no student entropy "
-                         "(entropy_student); the training step must compute H_S (see README)")
+                         "(entropy_student); the training step must compute H_S (see docs/reports.md)")
     data = tokens.dropna(subset=["entropy_student"])
     filtered = data.loc[data["filtered"].astype(bool), "entropy_student"].to_numpy(float)
     kept = data.loc[~data["filtered"].astype(bool), "entropy_student"].to_numpy(float)

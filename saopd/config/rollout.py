@@ -97,7 +97,7 @@ class HFRolloutConfig(RolloutConfig):
 @dataclass
 class VLLMRolloutConfig(RolloutConfig):
     """``rollout=vllm``: :class:`saopd.rollout.vllm.VLLMEngine`, a vLLM copy of the student,
-    synced after every optimizer step (needs the ``vllm`` package: README).
+    synced after every optimizer step (needs the ``vllm`` package: docs/vllm.md).
 
     Attributes:
         importance_ratio_cap: 5.0: vLLM's sampler and the trainer disagree slightly (kernels,
@@ -116,7 +116,7 @@ class VLLMRolloutConfig(RolloutConfig):
         tensor_parallel_size: GPUs the engine shards the model over. With several training
             processes, t > 1 makes each group of t consecutive ranks share one engine sharded
             over their devices (vLLM's external launcher in the training processes; t must
-            divide the processes per node; README, "Rollouts with vLLM").
+            divide the processes per node; docs/vllm.md).
         enable_sleep_mode: GPU only: free the engine's memory during the training step.
         sleep_level: 1 offloads weights to CPU; 2 drops them (reported to return stale weights
             after wake-up: keep ``verify_sync`` on).
@@ -126,7 +126,7 @@ class VLLMRolloutConfig(RolloutConfig):
         in_process: engine core in the training process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
             with several training processes each rank's engine core always runs in its own
             process, except with ``tensor_parallel_size`` > 1, where it always runs in the
-            training process (README, "Rollouts with vLLM").
+            training process (docs/vllm.md).
         startup_timeout: seconds the engine's start-up may take before the run stops with a
             message (0 = no limit).
         verify_sync: check that every sync landed (cheap sums of embeddings and norms, the

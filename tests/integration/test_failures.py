@@ -1,4 +1,4 @@
-"""Failure behaviour of saopd-train (README "Failure behaviour"; issue 15): a resume never
+"""Failure behaviour of saopd-train (docs/training.md, "Failure behaviour"; issue 15): a resume never
 credits another config's steps to a run, writes where it should, one writer per run, NaN stops
 the run before it is saved, SIGTERM saves and exits 143."""
 
