@@ -165,7 +165,8 @@ def entropy_distribution_figure(tokens: pd.DataFrame, *, bins: int = 40,
     """
     if "entropy_student" not in tokens.columns or tokens["entropy_student"].isna().all():
         raise ValueError("entropy distribution: the tokens carry no student entropy "
-                         "(entropy_student); the training step must compute H_S (see docs/reports.md)")
+                         "(entropy_student); the training step must compute H_S "
+                         "(see docs/reports.md)")
     data = tokens.dropna(subset=["entropy_student"])
     filtered = data.loc[data["filtered"].astype(bool), "entropy_student"].to_numpy(float)
     kept = data.loc[~data["filtered"].astype(bool), "entropy_student"].to_numpy(float)

@@ -1,5 +1,5 @@
-"""Failure behaviour of saopd-train (docs/training.md, "Failure behaviour"; issue 15): a resume never
-credits another config's steps to a run, writes where it should, one writer per run, NaN stops
+"""Failure behaviour of saopd-train (docs/training.md, "Failure behaviour"; issue 15): a resume
+never credits another config's steps to a run, writes where it should, one writer per run, NaN stops
 the run before it is saved, SIGTERM saves and exits 143."""
 
 from __future__ import annotations
