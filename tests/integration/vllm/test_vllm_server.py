@@ -82,7 +82,8 @@ class Server:
 
     def wait(self) -> Server:
         try:
-            ServerClient(self.url, 10).wait_healthy(time.monotonic() + START_TIMEOUT)
+            ServerClient(self.url, 10, os.environ["SAOPD_SERVE_API_KEY"]).wait_healthy(
+                time.monotonic() + START_TIMEOUT)
         except RolloutServerError:
             self.kill()
             raise AssertionError(
