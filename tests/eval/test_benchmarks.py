@@ -30,7 +30,8 @@ def compose_eval(tmp: Path, *overrides: str, data_dir: Path | None = None):
 
 
 def test_every_record_is_complete_and_its_grader_exists() -> None:
-    assert set(BENCHMARKS.names()) == PAPER | {"arith"}  # + the arithmetic testbed's
+    # the paper's and the arithmetic testbed's, and any benchmark added since: each is checked
+    assert PAPER | {"arith"} <= set(BENCHMARKS.names())
     assert set(GRADERS) == set(GRADER_KINDS)
     for name in BENCHMARKS:
         record = BENCHMARKS.get(name)
@@ -49,9 +50,9 @@ def test_every_record_is_complete_and_its_grader_exists() -> None:
 def test_records_hold_the_papers_settings() -> None:
     """Avg@8 everywhere but MATH500 (accuracy); 18,000 new tokens for competition math, 1,024
     for visual understanding, 4,096 for visual reasoning (Appendix B)."""
-    k = {name: BENCHMARKS.get(name).k for name in BENCHMARKS if name != "arith"}
+    k = {name: BENCHMARKS.get(name).k for name in PAPER}
     assert k.pop("math500") == 1 and set(k.values()) == {8}
-    tokens = {name: BENCHMARKS.get(name).max_new_tokens for name in BENCHMARKS}
+    tokens = {name: BENCHMARKS.get(name).max_new_tokens for name in PAPER}
     assert {n for n, t in tokens.items() if t == 18000} == {
         "math500", "aime24", "aime25", "amc23", "minerva_math"}
     assert {n for n, t in tokens.items() if t == 4096} == {"mathvision", "geo3k", "mathvista"}

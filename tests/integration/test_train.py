@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import saopd.scoring.passes as scoring
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES
 from saopd.train import train
 from tests.conftest import REPO
 
@@ -262,10 +264,11 @@ def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: 
 
 @pytest.mark.parametrize(
     "overrides",
-    [[f"filter={name}"] for name in ("none", "random", "divergence_only", "ig_only",
-                                     "proxy_replacement", "tip", "fire", "teachability")]
-    + [["objective=full_kl"], ["objective=exopd"], ["objective=exopd", "filter=tip"],
-       ["objective=topk_kl"], ["objective=topk_kl", "objective.direction=reverse"],
+    # every registered filter and objective (a new one is covered without editing this list),
+    # then combinations worth a run of their own
+    [[f"filter={name}"] for name in FILTERS.names()]
+    + [[f"objective={name}"] for name in OBJECTIVES.names()]
+    + [["objective=exopd", "filter=tip"], ["objective=topk_kl", "objective.direction=reverse"],
        ["method=entropy_aware"], ["method=teachability", "objective=entropy_aware"],
        ["filter.extreme=two_sided", "filter.beta_min=0.01", "filter.beta_max=0.02"]],
     ids=lambda o: "+".join(o),

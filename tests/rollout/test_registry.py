@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import re
 import socket
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -348,10 +349,11 @@ def test_build_engine_passes_every_hf_option(tiny_tok) -> None:
 
 
 def test_build_engine_names_the_registered_engines_on_a_miss() -> None:
-    assert ENGINES.names() == ["hf", "vllm", "vllm_server"]
+    assert {"hf", "vllm", "vllm_server"} <= set(ENGINES.names())
     # the engine is looked up before the student or tokenizer are touched
+    allowed = ", ".join(ENGINES.names())
     with pytest.raises(ValueError,
-                       match=r"unknown rollout engine 'sglang'; allowed: hf, vllm, vllm_server"):
+                       match=re.escape(f"unknown rollout engine 'sglang'; allowed: {allowed}")):
         build_engine(RolloutConfig(engine="sglang"), None, None)
 
 
