@@ -16,9 +16,10 @@ from saopd.mlflow_ui import (
 )
 
 
-@pytest.fixture()
-def client(tmp_path: Path) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> MlflowClient:
+    """One store for the module (creating a store takes seconds); each test its own names."""
+    return MlflowClient(f"sqlite:///{tmp_path_factory.mktemp('store') / 'mlflow.db'}")
 
 
 def test_created_tagged_and_found_again(client: MlflowClient, tmp_path: Path) -> None:
@@ -28,7 +29,7 @@ def test_created_tagged_and_found_again(client: MlflowClient, tmp_path: Path) ->
     assert exp.name == "runs" and exp.tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING
     assert exp.artifact_location == location
     assert get_or_create_experiment(client, "runs") == exp_id
-    assert len(client.search_experiments()) == 2  # "Default" and this one
+    assert [e.name for e in client.search_experiments()].count("runs") == 1
 
 
 def test_an_existing_experiment_gets_the_kind_unless_it_has_one(client: MlflowClient) -> None:
@@ -63,8 +64,8 @@ class _LateClient(MlflowClient):
         return super().get_experiment_by_name(name)
 
 
-def test_the_loser_of_a_creation_race_uses_the_winners_experiment(tmp_path: Path) -> None:
-    late = _LateClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+def test_the_loser_of_a_creation_race_uses_the_winners_experiment(client: MlflowClient) -> None:
+    late = _LateClient(client.tracking_uri)
     exp_id = get_or_create_experiment(late, "raced")
     assert late.lookups == 2
     exp = late.get_experiment(exp_id)
