@@ -1,8 +1,9 @@
 """Schema of the rollout engines (``conf/rollout/<engine>.yaml``): one dataclass per engine.
 
 :class:`RolloutConfig` holds what every engine shares (sampling); each engine's dataclass adds
-its own options and is registered as the schema of its YAML file (``rollout/<engine>_schema``
-in Hydra's config store), so a key of one engine given to another is refused by name. The engine
+its own options and is registered as the schema of its YAML file (``rollout_<engine>_schema`` at
+the root of Hydra's config store: :func:`saopd.config.train.rollout_schema_name`), so a key of
+one engine given to another is refused by name. The engine
 classes (:mod:`saopd.rollout`) take their options from these dataclasses: the defaults live here
 only.
 """
