@@ -19,10 +19,9 @@ teacher scores while the student's residual and full passes run. Backends
   devices, ``teacher_scoring.devices``).
 - ``vllm_server`` (:class:`VLLMServerTeacherScorer`): ``saopd-serve`` servers of the teacher over
   HTTP (``/v1/completions``); the trainer imports no ``vllm``. At start-up every server must
-  prove it serves the teacher (:class:`TeacherReference`, built from the teacher's config by
-  :func:`teacher_reference`): the same architecture and sizes, the same tokenization of a probe
-  text and the same weight files (their SHA-256 digest, computed where the files are:
-  :mod:`saopd.serving.weights_files`); a server of another model or checkpoint is refused,
+  prove it serves the teacher (:mod:`saopd.scoring.teacher_client`): the same architecture and
+  sizes, the same tokenization of a probe text and the same weight files (their SHA-256
+  digest, computed where the files are); a server of another model or checkpoint is refused,
   naming both.
 
 The vLLM backends send the exact context ids saopd built (each row's real tokens, padding
@@ -30,10 +29,8 @@ removed; both paddings) as token-id prompts, the full contexts and, when the ste
 the residual ones, in one request batch per step (split over the servers), with
 ``max_tokens=1`` and ``prompt_logprobs=top_k`` (0: the log-prob of each prompt token only;
 vLLM computes prompt log-probs from the raw logits, whatever its ``logprobs_mode``), with
-detokenization off where the API allows it. vLLM's ``prompt_logprobs[j]`` is the log-prob of
-prompt token ``j`` given the tokens before it (``None`` at ``j = 0``); the response token of slot
-``r`` sits at padded position ``gather_index[r] + 1``, i.e. at the real-token index
-``cumsum(attention_mask) - 1`` there (:func:`response_token_index`). The returned prompt ids are
+detokenization off where the API allows it, and read the response tokens' log-probs back from
+vLLM's ``prompt_logprobs`` (:mod:`saopd.scoring.prompt_logprobs`). The returned prompt ids are
 checked against what was sent. Vision-language pairs: each context goes with one
 ``<|image_pad|>`` per image and the row's images as ``multi_modal_data`` (in-process vLLM only);
 vLLM expands the images and its expanded ids must equal saopd's (``RuntimeError`` otherwise: the
@@ -52,25 +49,21 @@ bucket holding the rest of the probability (a lower bound of the entropy). The e
 student's top-k lists are never served.
 
 ``vllm`` is imported on first use. This module cannot import :mod:`saopd.rollout` (the two are
-one layer, independent): the few process helpers it shares with
+one layer, independent): the process helpers it shares with
 :class:`~saopd.rollout.vllm.VLLMEngine` (RNG and thread state around vLLM's start-up, the
-launcher variables a clean engine-core start drops) are repeated here.
+launcher variables a clean engine-core start drops) are :mod:`saopd.serving.vllm_runtime`'s.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
-
-import torch
 
 from saopd.contexts.batch import ContextBatch, PairedContextBatch
 from saopd.scoring.passes import (
@@ -79,9 +72,18 @@ from saopd.scoring.passes import (
     TeacherScores,
     score_teacher,
 )
+from saopd.scoring.prompt_logprobs import (
+    assemble_scores,
+    collapse_images,
+    context_prompts,
+    json_entry,
+    response_token_index,
+    scores_from_prompt_logprobs,
+    top_k_for,
+)
+from saopd.scoring.teacher_client import TeacherReference, TeacherServerClient, teacher_reference
 from saopd.serving.auth import client_api_key
-from saopd.serving.http import JsonClient, ServerError
-from saopd.serving.identity import config_differences, config_values
+from saopd.serving.http import ServerError
 from saopd.serving.vllm_runtime import (
     LAUNCHER_VARIABLES,
     cpu_kv_cache_bytes,
@@ -90,7 +92,6 @@ from saopd.serving.vllm_runtime import (
     shutdown_llm,
     temporary_environ,
 )
-from saopd.serving.weights_files import WeightsDigest, weights_digest
 from saopd.signals.token_signals import STUDENT_TOPK_FIELDS, TEACHER_TOPK_FIELDS
 
 if TYPE_CHECKING:
@@ -102,16 +103,11 @@ if TYPE_CHECKING:
 __all__ = [
     "DoneTeacherScores",
     "HFTeacherScorer",
-    "TeacherReference",
     "TeacherScorer",
     "TeacherServiceError",
     "VLLMServerTeacherScorer",
     "VLLMTeacherScorer",
     "check_servable",
-    "context_prompts",
-    "response_token_index",
-    "scores_from_prompt_logprobs",
-    "teacher_reference",
     "unservable",
 ]
 
@@ -214,102 +210,6 @@ def check_servable(components: Mapping[str, Any], backend: str, top_k: int) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# contexts -> prompts, prompt log-probs -> [B, R]
-
-def context_prompts(ctx: ContextBatch) -> list[list[int]]:
-    """Each row's real context ids (padding removed, either side)."""
-    mask = ctx.attention_mask.bool().cpu()
-    ids = ctx.input_ids.cpu()
-    return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
-
-
-def response_token_index(ctx: ContextBatch) -> torch.Tensor:
-    """``[B, R]`` index, among each row's real tokens, of the token of response slot ``r``
-    (the token at padded position ``gather_index + 1``); 0 in padded slots is not meaningful."""
-    mask = ctx.attention_mask.cpu()
-    real = mask.cumsum(-1) - 1  # [B, T] index among the real tokens
-    pos = (ctx.gather_index.cpu() + 1).clamp(max=mask.shape[1] - 1)
-    return real.gather(1, pos)
-
-
-def _topk_of(entry: Mapping[int, float], k: int) -> tuple[list[int], list[float]]:
-    """The ``k`` largest entries (ties: the smaller id first), padded if fewer came back."""
-    best = sorted(entry.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-    ids = [i for i, _ in best] + [0] * (k - len(best))
-    lps = [v for _, v in best] + [-math.inf] * (k - len(best))
-    return ids, lps
-
-
-def scores_from_prompt_logprobs(
-        rows: Sequence[Sequence[Mapping[int, float]]], targets: torch.Tensor,
-        mask: torch.Tensor, *, top_k: int = 0, where: str = "the teacher service"
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``(lp [B, R], topk_ids [B, R, K] | None, topk_lp [B, R, K] | None)`` from each row's
-    prompt log-probs at its response positions (``rows[b][r]``: ``{token id: log-prob}`` of
-    response slot ``r``, for the valid slots of ``mask``). The target token must be among them
-    (``TeacherServiceError`` otherwise); padded slots hold 0 (ids 0, log-probs -inf)."""
-    b, r = targets.shape
-    lp = torch.zeros((b, r), dtype=torch.float32)
-    ids = torch.zeros((b, r, top_k), dtype=torch.long) if top_k else None
-    tlp = torch.full((b, r, top_k), -math.inf, dtype=torch.float32) if top_k else None
-    tgt = targets.cpu().tolist()
-    valid = mask.cpu().tolist()
-    for i in range(b):
-        n = sum(valid[i])
-        if len(rows[i]) != n:
-            raise TeacherServiceError(f"{where}: row {i} came back with {len(rows[i])} "
-                                      f"response log-probs, expected {n}")
-        for j, entry in enumerate(rows[i]):
-            token = tgt[i][j]
-            if token not in entry:
-                raise TeacherServiceError(
-                    f"{where}: row {i}, response token {j} (id {token}) has no prompt log-prob "
-                    f"(got ids {sorted(entry)[:8]}): the service scored other ids than it was "
-                    "sent")
-            lp[i, j] = float(entry[token])
-            if top_k:
-                assert ids is not None and tlp is not None
-                top_ids, top_lps = _topk_of(entry, top_k)
-                ids[i, j] = torch.tensor(top_ids)
-                tlp[i, j] = torch.tensor(top_lps)
-    return lp, ids, tlp
-
-
-def topk_entropy(topk_lp: torch.Tensor) -> torch.Tensor:
-    """The entropy ``[B, R]`` of the distribution made of the top-K probabilities and one
-    bucket with the rest (``1 - sum``): a lower bound of the full distribution's entropy."""
-    p = topk_lp.float().exp()
-    inner = -(p * topk_lp.float().clamp(min=-1e4)).nan_to_num(0.0).sum(-1)
-    tail = (1.0 - p.sum(-1)).clamp(min=0.0)
-    return inner - torch.where(tail > 0, tail * tail.clamp(min=1e-30).log(),
-                               torch.zeros_like(tail))
-
-
-def _assemble(parts: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
-              needs: ScoringNeeds, top_k: int) -> TeacherScores:
-    """TeacherScores from the full (and residual) parts."""
-    (lp, ids, tlp), res = parts[0], (parts[1] if len(parts) > 1 else None)
-    entropy = topk_entropy(tlp) if needs.teacher_entropy and tlp is not None else None
-    return TeacherScores(lp_teacher=lp, lp_teacher_res=None if res is None else res[0],
-                         entropy_teacher=entropy,
-                         topk_ids=ids if needs.teacher_top_k else None,
-                         topk_logprobs=tlp if needs.teacher_top_k else None)
-
-
-def _top_k_for(needs: ScoringNeeds, top_k: int, where: str) -> int:
-    """The K a request must ask for (0 = sampled tokens only); ``ValueError`` when the step
-    needs more than the service was configured to give."""
-    want = max(needs.teacher_top_k, 1 if needs.teacher_entropy else 0)
-    if needs.kl or needs.student_top_k:
-        raise ValueError(f"{where}: the step needs the teacher's whole distribution (exact KL "
-                         "or the student's top-k lists); a teacher service cannot give it")
-    if want > top_k:
-        raise ValueError(f"{where}: the step needs the teacher's top-{want} log-probs (or its "
-                         f"entropy) but teacher_scoring.top_k is {top_k}")
-    return top_k if want else 0
-
-
-# ---------------------------------------------------------------------------------------------
 # hf
 
 class HFTeacherScorer:
@@ -333,19 +233,6 @@ class HFTeacherScorer:
 
     def close(self) -> None:
         pass
-
-
-# ---------------------------------------------------------------------------------------------
-# process helpers around vLLM (as saopd.rollout.vllm's)
-
-def _collapse_images(ids: Sequence[int], image_id: int) -> list[int]:
-    """``ids`` with every run of ``image_id`` collapsed to one (the unexpanded prompt)."""
-    out: list[int] = []
-    for t in ids:
-        if t == image_id and out and out[-1] == image_id:
-            continue
-        out.append(int(t))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +339,7 @@ class VLLMTeacherScorer:
                     raise ValueError("a vision-language teacher service needs the rows' "
                                      "messages (their images)")
                 refs = message_images(messages[b])
-                raw = _collapse_images(ids, self._image_id)
+                raw = collapse_images(ids, self._image_id)
                 if raw.count(self._image_id) != len(refs):
                     raise ValueError(f"row {b}'s {which} context holds "
                                      f"{raw.count(self._image_id)} images, its chat "
@@ -466,7 +353,7 @@ class VLLMTeacherScorer:
     def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
                messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
                ) -> PendingTeacherScores:
-        k = _top_k_for(needs, self.top_k, "teacher_scoring=vllm")
+        k = top_k_for(needs, self.top_k, "teacher_scoring=vllm")
         tb = batch.teacher_view
         contexts = [("full", tb.full)] + ([("residual", tb.residual)] if needs.residual else [])
         prompts, sent, index = [], [], []
@@ -503,10 +390,11 @@ class VLLMTeacherScorer:
                              for j in positions])
             b = targets.shape[0]
             parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
-                                                 top_k=k, where="teacher vLLM engine")
+                                                 top_k=k, where="teacher vLLM engine",
+                                                 error=TeacherServiceError)
                      for c in range(len(contexts))]
             self.last_score_seconds = time.perf_counter() - started
-            return _assemble(parts, needs, k)
+            return assemble_scores(parts, needs, k)
 
         return _FutureScores(self._pool.submit(run))
 
@@ -533,73 +421,25 @@ class VLLMTeacherScorer:
 # ---------------------------------------------------------------------------------------------
 # vllm_server (saopd-serve servers of the teacher)
 
-def _server(url: str, timeout: float, api_key: str | None) -> JsonClient:
-    """JSON over HTTP with one teacher server; every error names its URL."""
-    return JsonClient(url, timeout, role="teacher server", error=TeacherServiceError,
-                      request_option="teacher_scoring.request_timeout",
-                      startup_option="teacher_scoring.startup_timeout", api_key=api_key,
-                      key_option="teacher_scoring.api_key_file")
-
-
-@dataclass(frozen=True)
-class TeacherReference:
-    """What a teacher server must serve (:func:`teacher_reference`).
-
-    Attributes:
-        name: the teacher as configured (``teacher.name_or_path``), for messages.
-        config: its :func:`~saopd.serving.identity.config_values`.
-        weights: the fingerprint of its weight files.
-    """
-
-    name: str
-    config: dict[str, Any]
-    weights: WeightsDigest
-
-
-def teacher_reference(teacher: ModelConfig) -> TeacherReference:
-    """The :class:`TeacherReference` of the teacher ``teacher`` configures: its config and the
-    digest of its weight files, read where they are (a folder, the local hub cache, else the
-    hub's file list). ``ValueError`` for a teacher that exists only once built (tiny, pruned,
-    GGUF: its served copy cannot be checked against its config), ``OSError`` when its files
-    cannot be read."""
-    from transformers import AutoConfig
-
-    from saopd.models.loading import resolve_source
-
-    name = teacher.name_or_path
-    if (name is None or teacher.tiny is not None or teacher.prune_every is not None
-            or teacher.prune_keep is not None or str(name).lower().endswith(".gguf")):
-        raise ValueError(
-            "teacher_scoring=vllm_server checks that every server serves the teacher's weight "
-            "files, which needs a teacher given as an HF folder or hub id (teacher.name_or_path; "
-            "no tiny, pruned or GGUF teacher, which exists only once built): save it "
-            "(save_pretrained, with its tokenizer), serve that folder and name it in "
-            "teacher.name_or_path")
-    source = resolve_source(name, None, kind="model")
-    config = AutoConfig.from_pretrained(source.location, revision=teacher.revision,
-                                        trust_remote_code=teacher.trust_remote_code)
-    return TeacherReference(str(name), config_values(config),
-                            weights_digest(source.location, teacher.revision))
-
-
 class VLLMServerTeacherScorer:
     """``teacher_scoring=vllm_server``: teacher servers (``saopd-serve --model <teacher>``).
 
     Start-up waits for every server's ``/health``, reads ``/v1/models`` (``model``, or the
     first server's model, which every server must serve; the smallest ``max_model_len``) and
-    checks that each server serves the teacher: it tokenizes a probe text as ``tokenizer`` (the
-    teacher's) does (``/tokenize``) and, with ``teacher`` (:class:`TeacherReference`), its
-    model's config and weight files' digest are the teacher's (``saopd_server_info``,
-    ``saopd_server_weights_digest``). Each step's contexts are dealt out over the servers in
-    contiguous shares, each share split into ``max_concurrent_requests`` requests
-    (``/v1/completions`` with the token-id prompts, ``max_tokens: 1``, ``prompt_logprobs: K``,
-    ``return_token_ids``), sent in parallel threads. Every failure raises
+    checks that each server serves the teacher
+    (:class:`~saopd.scoring.teacher_client.TeacherServerClient`): it tokenizes a probe text as
+    ``tokenizer`` (the teacher's) does (``/tokenize``) and, with ``teacher``
+    (:class:`~saopd.scoring.teacher_client.TeacherReference`), its model's config and weight
+    files' digest are the teacher's (``saopd_server_info``, ``saopd_server_weights_digest``).
+    Each step's contexts are dealt out over the servers in contiguous shares, each share split
+    into ``max_concurrent_requests`` requests (one ``/v1/completions`` of token-id prompts
+    each, :meth:`~saopd.scoring.teacher_client.TeacherServerClient.prompt_logprobs`), sent in
+    parallel threads. Every failure raises
     :class:`TeacherServiceError` naming the server. :meth:`from_config` is how ``saopd-train``
     builds it (with the reference).
     """
 
     name = "vllm_server"
-    PROBE_TEXT = "The teacher scores 12 * 7 = 84 tokens, step by step."
 
     def __init__(self, urls: Sequence[str], *, tokenizer: Any | None = None,
                  teacher: TeacherReference | None = None, model: str | None = None,
@@ -608,8 +448,10 @@ class VLLMServerTeacherScorer:
                  api_key_file: str | None = None) -> None:
         if not urls:
             raise ValueError("teacher_scoring=vllm_server needs teacher_scoring.urls")
-        self.servers = [_server(u, request_timeout, client_api_key(
-            api_key_file, u, "teacher_scoring.api_key_file")) for u in urls]
+        self.servers = [TeacherServerClient(u, request_timeout, error=TeacherServiceError,
+                                            api_key=client_api_key(
+                                                api_key_file, u, "teacher_scoring.api_key_file"))
+                        for u in urls]
         self.top_k = int(top_k)
         self.max_concurrent_requests = int(max_concurrent_requests)
         deadline = time.monotonic() + startup_timeout
@@ -617,37 +459,16 @@ class VLLMServerTeacherScorer:
             server.wait_healthy(deadline)
         lengths = []
         for server in self.servers:
-            got = server.call("GET", "/v1/models")
-            cards = got.get("data") if isinstance(got, dict) else None
-            if not isinstance(cards, list) or not cards or not all(
-                    isinstance(c, dict) and isinstance(c.get("id"), str) for c in cards):
-                raise TeacherServiceError(f"teacher server {server.url}: /v1/models answered "
-                                          f"{str(got)[:200]}, not a list of models")
-            if model is None:
-                model = cards[0]["id"]
-            card = next((c for c in cards if c["id"] == model), None)
-            if card is None:
-                raise TeacherServiceError(
-                    f"teacher server {server.url} serves {[c['id'] for c in cards]}, not "
-                    f"{model!r} (teacher_scoring.model, or the first server's model)")
-            lengths.append(int(card.get("max_model_len") or 1 << 30))
-        self.model = str(model)
+            model, length = server.model_card(model)
+            lengths.append(length)
+        assert model is not None
+        self.model = model
         self.max_model_len = min(lengths)
-        if tokenizer is not None:
-            want = [int(t) for t in tokenizer(self.PROBE_TEXT, add_special_tokens=False)[
-                "input_ids"]]
-            for server in self.servers:
-                got = server.call("POST", "/tokenize", {"model": self.model,
-                                                        "prompt": self.PROBE_TEXT,
-                                                        "add_special_tokens": False})
-                tokens = got.get("tokens") if isinstance(got, dict) else None
-                if tokens != want:
-                    raise TeacherServiceError(
-                        f"teacher server {server.url} tokenizes a probe text as {tokens}, the "
-                        f"teacher's tokenizer as {want}: it does not serve the teacher")
-        if teacher is not None:
-            for server in self.servers:
-                _check_serves(server, teacher)
+        for server in self.servers:
+            if tokenizer is not None:
+                server.check_tokenizer(self.model, tokenizer)
+            if teacher is not None:
+                server.check_serves(teacher)
         workers = len(self.servers) * self.max_concurrent_requests
         self._pool = ThreadPoolExecutor(max_workers=workers + 1,
                                         thread_name_prefix="saopd-teacher")
@@ -665,36 +486,10 @@ class VLLMServerTeacherScorer:
                    max_concurrent_requests=conf.max_concurrent_requests,
                    api_key_file=conf.api_key_file)
 
-    def _request(self, server: JsonClient, prompts: list[list[int]], k: int
-                 ) -> list[tuple[list[int], list[Any]]]:
-        body = {"model": self.model, "prompt": prompts, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": k, "return_token_ids": True, "skip_special_tokens": False}
-        got = server.call("POST", "/v1/completions", body)
-        choices = got.get("choices") if isinstance(got, dict) else None
-        if not isinstance(choices, list) or len(choices) != len(prompts):
-            raise TeacherServiceError(f"teacher server {server.url}: /v1/completions answered "
-                                      f"{str(got)[:200]}, not {len(prompts)} choices")
-        out: list[tuple[list[int], list[Any]]] = [([], [])] * len(prompts)
-        for choice in choices:
-            i = choice.get("index") if isinstance(choice, dict) else None
-            plp = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
-            ids = choice.get("prompt_token_ids") if isinstance(choice, dict) else None
-            if not isinstance(i, int) or not 0 <= i < len(prompts) or not isinstance(plp, list):
-                raise TeacherServiceError(f"teacher server {server.url}: a choice without "
-                                          f"prompt log-probs ({str(choice)[:200]})")
-            if ids is not None and list(ids) != prompts[i]:
-                raise TeacherServiceError(f"teacher server {server.url} scored other prompt ids "
-                                          f"than it was sent ({len(ids)} vs {len(prompts[i])})")
-            if len(plp) != len(prompts[i]):
-                raise TeacherServiceError(f"teacher server {server.url} returned {len(plp)} "
-                                          f"prompt log-probs for {len(prompts[i])} tokens")
-            out[i] = (prompts[i], plp)
-        return out
-
     def submit(self, batch: PairedContextBatch, needs: ScoringNeeds, *,
                messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
                ) -> PendingTeacherScores:
-        k = _top_k_for(needs, self.top_k, "teacher_scoring=vllm_server")
+        k = top_k_for(needs, self.top_k, "teacher_scoring=vllm_server")
         tb = batch.teacher_view
         if getattr(tb.full, "pixel_values", None) is not None:
             raise ValueError("teacher_scoring=vllm_server scores text contexts only (use "
@@ -712,7 +507,7 @@ class VLLMServerTeacherScorer:
                              "--max-model-len)")
         targets, mask = tb.response_ids.cpu(), tb.response_mask.cpu()
         # contiguous shares per server, each split into max_concurrent_requests requests
-        jobs: list[tuple[JsonClient, int, int]] = []
+        jobs: list[tuple[TeacherServerClient, int, int]] = []
         per = -(-len(sent) // len(self.servers))
         self.last_prompts_per_server = [0] * len(self.servers)
         for s, server in enumerate(self.servers):
@@ -722,7 +517,7 @@ class VLLMServerTeacherScorer:
             self.last_prompts_per_server[s] = hi - lo
             step = -(-(hi - lo) // self.max_concurrent_requests)
             jobs += [(server, a, min(hi, a + step)) for a in range(lo, hi, step)]
-        futures = [self._pool.submit(self._request, server, sent[a:b], k)
+        futures = [self._pool.submit(server.prompt_logprobs, self.model, sent[a:b], k)
                    for server, a, b in jobs]
 
         def gather() -> TeacherScores:
@@ -734,13 +529,14 @@ class VLLMServerTeacherScorer:
             for n, (_, plp) in enumerate(answers):
                 c, b = divmod(n, targets.shape[0])
                 positions = index[c][b][mask[b]].tolist()
-                rows.append([_json_entry(plp[j]) for j in positions])
+                rows.append([json_entry(plp[j], TeacherServiceError) for j in positions])
             b = targets.shape[0]
             parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
-                                                 top_k=k, where="teacher server")
+                                                 top_k=k, where="teacher server",
+                                                 error=TeacherServiceError)
                      for c in range(len(contexts))]
             self.last_score_seconds = time.perf_counter() - started
-            return _assemble(parts, needs, k)
+            return assemble_scores(parts, needs, k)
 
         return _FutureScores(self._pool.submit(gather))
 
@@ -754,48 +550,6 @@ class VLLMServerTeacherScorer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_serves(server: JsonClient, teacher: TeacherReference) -> None:
-    """``TeacherServiceError`` naming both unless ``server`` serves ``teacher``: its model's
-    config and its weight files' digest."""
-    info = server.rpc("saopd_server_info")
-    served, config = info.get("model"), info.get("config")
-    if not isinstance(config, dict):
-        raise server.garbage("/collective_rpc saopd_server_info", "the served model's config",
-                             info)
-    if info.get("broken"):
-        raise TeacherServiceError(f"teacher server {server.url}: a weight reload failed there "
-                                  f"({info['broken']}); restart it (saopd-serve)")
-    differ = config_differences(config, teacher.config, "teacher")
-    if differ:
-        raise TeacherServiceError(
-            f"teacher server {server.url} serves {served!r}, a model that differs from the "
-            f"teacher {teacher.name!r}: {', '.join(differ)}; serve the teacher (saopd-serve "
-            "--model <teacher.name_or_path>)")
-    got = server.rpc("saopd_server_weights_digest")
-    if not isinstance(got.get("digest"), str):
-        raise TeacherServiceError(f"teacher server {server.url} cannot fingerprint the weights "
-                                  f"it serves: {got.get('error') or got}")
-    if got["digest"] != teacher.weights.digest:
-        raise TeacherServiceError(
-            f"teacher server {server.url} serves the weights of {got.get('source')!r} (SHA-256 "
-            f"digest {got['digest'][:16]}), not those of the teacher {teacher.name!r} "
-            f"({teacher.weights.source}, {teacher.weights.digest[:16]}): another checkpoint of "
-            "the same architecture; serve the teacher's folder")
-
-
-def _json_entry(entry: Any) -> dict[int, float]:
-    """``{id: log-prob}`` of one position of a JSON ``prompt_logprobs`` list (``{"<id>":
-    {"logprob": x, ...}}``; vLLM writes -inf as -9999)."""
-    if not isinstance(entry, dict):
-        raise TeacherServiceError(f"a teacher server returned a prompt log-prob entry "
-                                  f"{str(entry)[:200]}, not a mapping of token ids")
-    out = {}
-    for key, value in entry.items():
-        lp = value.get("logprob") if isinstance(value, dict) else value
-        out[int(key)] = float(lp)
-    return out
 
 
 #: Factories by backend name, for :func:`saopd.train` (``teacher_scoring=<backend>``).

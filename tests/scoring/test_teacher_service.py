@@ -36,14 +36,12 @@ from saopd.scoring.passes import (
     score_student,
     score_teacher,
 )
+from saopd.scoring.prompt_logprobs import context_prompts, response_token_index, topk_entropy
 from saopd.scoring.teacher_service import (
     HFTeacherScorer,
     TeacherServiceError,
     VLLMServerTeacherScorer,
     check_servable,
-    context_prompts,
-    response_token_index,
-    topk_entropy,
     unservable,
 )
 
