@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from saopd.models.loading import resolve_source
-from saopd.rollout.vllm_server import RAW_LOGPROBS
+from saopd.rollout.vllm_server_client import RAW_LOGPROBS
 from saopd.rollout.vllm_worker import (
     INSTANCE_ENV,
     MODEL_ENV,

@@ -34,19 +34,15 @@ of what was sent, and checks its packed LM head. Rank 0 then broadcasts the
 outcome (a barrier with the error, when there is one, so no rank waits forever or samples stale
 weights).
 
-Start-up (the constructor) waits for every server's ``GET /health`` (``startup_timeout``), reads
-``GET /v1/models`` (the served model id: ``rollout.model``, or the first server's, the same on
-all; the smallest ``max_model_len``), and asks each server who it is (``saopd_server_info``: the
-instance id and start time ``saopd-serve`` set, the worker's pid and host, dtype, log-prob mode
-and model config, which must agree with the student's) and which of its tensors it stores
-under the checkpoint's names and shapes. The first sync writes a probe file to the weights
-folder and has every server read it back, so a folder a server cannot see is reported at once.
+Start-up (the constructor) waits for every server's ``GET /health`` (``startup_timeout``), then
+checks each server through its client (:mod:`saopd.rollout.vllm_server_client`: the served
+model and the smallest ``max_model_len``, who the server is, its config against the student's,
+its weights folder, which of its tensors it stores under the checkpoint's names and shapes).
+The first sync writes a probe file to the weights folder and has every server answer its
+digest, so a folder a server cannot see is reported at once.
 
-Every failure names the server: one that is down or does not answer within ``request_timeout``,
-answers an HTTP error or something that is not the expected JSON, serves another model, or
-restarted since start-up (a new instance or worker pid: it serves its start-up weights, not the
-student's) raises :class:`RolloutServerError`. Not supported yet: vision-language students
-(use ``rollout=vllm``), servers with sleep mode.
+Every failure names the server (:class:`~saopd.rollout.vllm_server_client.RolloutServerError`).
+Not supported yet: vision-language students (use ``rollout=vllm``), servers with sleep mode.
 """
 
 from __future__ import annotations
@@ -82,6 +78,12 @@ from saopd.rollout.base import (
 )
 from saopd.rollout.hf import default_stop_token_ids
 from saopd.rollout.registry import ENGINES, EngineSetup
+from saopd.rollout.vllm_server_client import (
+    RolloutServerError,
+    ServerClient,
+    check_models,
+    json_number,
+)
 from saopd.rollout.vllm_sync import (
     canonical_weight_name,
     checked_weights,
@@ -90,77 +92,17 @@ from saopd.rollout.vllm_sync import (
 )
 from saopd.rollout.vllm_worker import PROBE_FILE
 from saopd.serving.auth import client_api_key
-from saopd.serving.http import JsonClient, ServerError
-from saopd.serving.identity import config_differences, config_values
 from saopd.serving.scratch import SYNC_PREFIX, owned_dir, remove_stale_dirs, shm_dir
 from saopd.validation import check_choice, check_int, check_number
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["RolloutServerError", "ServerClient", "VLLMServerEngine"]
+__all__ = ["VLLMServerEngine"]
 
 log = logging.getLogger(__name__)
 
 _DEFAULTS = VLLMServerRolloutConfig  # the engine's option defaults are the config schema's
-#: The log-prob mode the servers must run (vLLM's default): log-probs of the raw logits.
-RAW_LOGPROBS = "raw_logprobs"
-
-
-class RolloutServerError(ServerError):
-    """A rollout server is unreachable, restarted, serves another model or answered something
-    saopd cannot use; the message names its URL. An ``OSError``, so that ``saopd-train``
-    reports one at start-up as a one-line error."""
-
-
-class ServerClient(JsonClient):
-    """JSON over HTTP with one ``saopd-serve`` server (:class:`saopd.serving.http.JsonClient`
-    raising :class:`RolloutServerError`, every error naming the URL), and the calls the rollout
-    engine makes.
-
-    Args:
-        url: the server's base URL (``http://127.0.0.1:8000``; a trailing ``/`` is dropped).
-        timeout: seconds a request may take (connect + answer).
-        api_key: the server's API key (None: sent without one).
-    """
-
-    def __init__(self, url: str, timeout: float, api_key: str | None = None) -> None:
-        super().__init__(url, timeout, role="rollout server", error=RolloutServerError,
-                         request_option="rollout.request_timeout",
-                         startup_option="rollout.startup_timeout", api_key=api_key,
-                         key_option="rollout.api_key_file")
-
-    def models(self) -> list[dict[str, Any]]:
-        """The model cards of ``GET /v1/models`` (each with a string ``id``)."""
-        got = self.call("GET", "/v1/models")
-        data = got.get("data") if isinstance(got, dict) else None
-        if not isinstance(data, list) or not data or not all(
-                isinstance(card, dict) and isinstance(card.get("id"), str) for card in data):
-            raise self.garbage("/v1/models", "a list of models", got)
-        return data
-
-    def reset_prefix_cache(self, attempts: int = 20) -> None:
-        """``POST /reset_prefix_cache``, retried while the server says it could not (blocks
-        still held by running requests); ``RolloutServerError`` if it never succeeds."""
-        got: Any = None
-        for attempt in range(attempts):
-            got = self.call("POST", "/reset_prefix_cache")
-            if not isinstance(got, dict) or not isinstance(got.get("success"), bool):
-                raise self.garbage("/reset_prefix_cache", '{"success": <bool>}', got)
-            if got["success"]:
-                return
-            time.sleep(min(0.05 * 2 ** attempt, 1.0))
-        raise RolloutServerError(
-            f"rollout server {self.url} could not reset its prefix cache ({attempts} tries; "
-            "requests still running?): its cached blocks hold the old weights' keys/values")
-
-    def complete(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """``POST /v1/completions`` with ``body``; the answer (a JSON object with choices)."""
-        got = self.call("POST", "/v1/completions", dict(body))
-        if not isinstance(got, dict) or not isinstance(got.get("choices"), list):
-            raise self.garbage("/v1/completions", "a completion with choices", got)
-        return got
-
 
 def _global_rank_world() -> tuple[int, int]:
     """(global rank, world size) of the default process group, (0, 1) without one."""
@@ -184,16 +126,6 @@ def _drain(stream: Iterable[Any]) -> None:
     """Consume ``stream`` (its DTensor gathers are collectives the other ranks take part in)."""
     for _ in stream:
         pass
-
-
-def _as_float(value: Any) -> float:
-    """A JSON number, or a non-finite float sent as a string; NaN for anything else."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            return float(value)
-    return math.nan
 
 
 @ENGINES.register("vllm_server")
@@ -295,27 +227,26 @@ class VLLMServerEngine:
         deadline = time.monotonic() + startup_timeout
         for client in self.clients:  # the servers start in parallel: one deadline for all
             client.wait_healthy(deadline)
-        self.model, self.max_model_len = self._check_models(model)
+        self.model, self.max_model_len = check_models(self.clients, model)
         self._identity: dict[str, tuple[str, int]] = {}
-        self._dtype_of: dict[str, str] = {}
-        dtypes = set()
+        dtype_of: dict[str, str] = {}
         for client in self.clients:
-            info = self._info(client)
+            info = client.checked_info(self._parent)
             self._identity[client.url] = (info["instance"], info["pid"])
-            dtypes.add(info["dtype"])
-            self._check_config(client, info, model_config)
-        if len(dtypes) != 1:
+            dtype_of[client.url] = info["dtype"]
+            client.check_config(info, self.model, model_config)
+        if len(set(dtype_of.values())) != 1:
             raise RolloutServerError(
                 "the rollout servers run different dtypes "
-                f"({', '.join(f'{c.url}: {self._dtype_of[c.url]}' for c in self.clients)}); "
+                f"({', '.join(f'{c.url}: {dtype_of[c.url]}' for c in self.clients)}); "
                 "start them all with the same --dtype")
-        self.dtype: torch.dtype = getattr(torch, dtypes.pop())
+        self.dtype: torch.dtype = getattr(torch, dtype_of[self.clients[0].url])
         # HF name -> served name of the tensors stored unchanged: what verification compares
         self._verify_names: dict[str, str] = {}
         # served name -> the student's vocabulary rows of a tensor whose vocabulary vLLM padded
         self._rows: dict[str, int] = {}
         for client in self.clients:
-            names, rows = self._comparable_names(client)
+            names, rows = client.comparable_names(self.expected_weights, self.model)
             if self._verify_names and (names, rows) != (self._verify_names, self._rows):
                 raise RolloutServerError(
                     f"rollout server {client.url} stores the student's tensors differently from "
@@ -324,121 +255,6 @@ class VLLMServerEngine:
         log.info("rollout servers ready in %.1f s: %s serving %r (%s, max_model_len %d)",
                  time.perf_counter() - started, ", ".join(c.url for c in self.clients),
                  self.model, str(self.dtype).removeprefix("torch."), self.max_model_len)
-
-    # ------------------------------------------------------------------------------------------
-    # start-up checks
-
-    def _check_models(self, model: str | None) -> tuple[str, int]:
-        """The served model id every server lists, and the smallest ``max_model_len``."""
-        want = model
-        lengths = []
-        for client in self.clients:
-            cards = client.models()
-            ids = [card["id"] for card in cards]
-            if want is None:
-                want = ids[0]
-            card = next((c for c in cards if c["id"] == want), None)
-            if card is None:
-                source = "rollout.model" if model is not None else self.clients[0].url
-                raise RolloutServerError(
-                    f"rollout server {client.url} serves {ids}, not {want!r} ({source}): it "
-                    "serves another model")
-            length = card.get("max_model_len")
-            if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-                raise client.garbage("/v1/models", "a model card with max_model_len", card)
-            lengths.append(length)
-        assert want is not None
-        return want, min(lengths)
-
-    def _info(self, client: ServerClient) -> dict[str, Any]:
-        """The server's ``saopd_server_info``, checked for shape and log-prob mode."""
-        info = client.rpc("saopd_server_info")
-        fields = {"instance": str, "pid": int, "dtype": str, "config": dict, "weights_dir": str}
-        if not all(isinstance(info.get(k), t) for k, t in fields.items()):
-            raise client.garbage("/collective_rpc saopd_server_info",
-                                 "instance, pid, dtype, config and weights_dir (a saopd-serve "
-                                 "of this saopd version)", info)
-        if info.get("broken"):
-            raise RolloutServerError(
-                f"rollout server {client.url}: a weight reload failed there earlier "
-                f"({info['broken']}); its weights are unknown: restart it (saopd-serve)")
-        if Path(info["weights_dir"]) != self._parent:
-            raise RolloutServerError(
-                f"rollout server {client.url} reads weights only under its --weights-dir "
-                f"{info['weights_dir']}; this run writes them under {self._parent} "
-                f"(rollout.weights_dir): start saopd-serve with --weights-dir {self._parent} or "
-                f"set rollout.weights_dir={info['weights_dir']}")
-        if not hasattr(torch, info["dtype"]) or not isinstance(
-                getattr(torch, info["dtype"]), torch.dtype):
-            raise client.garbage("/collective_rpc saopd_server_info", "a torch dtype",
-                                 info["dtype"])
-        mode = info.get("logprobs_mode")
-        if mode is not None and mode != RAW_LOGPROBS:
-            raise RolloutServerError(
-                f"rollout server {client.url} reports {mode} log-probs; saopd needs the raw "
-                f"sampler log-probs (vLLM's default --logprobs-mode {RAW_LOGPROBS})")
-        self._dtype_of[client.url] = info["dtype"]
-        return info
-
-    def _check_config(self, client: ServerClient, info: Mapping[str, Any],
-                      model_config: Any | None) -> None:
-        """The served model's config agrees with the student's on
-        :data:`~saopd.serving.identity.CONFIG_KEYS`."""
-        if model_config is None:
-            return
-        differ = config_differences(info["config"], config_values(model_config), "student")
-        if differ:
-            raise RolloutServerError(
-                f"rollout server {client.url} serves {self.model!r}, a model that differs from "
-                f"the student: {', '.join(differ)}; serve a copy of the student "
-                "(save_pretrained) with saopd-serve --model")
-
-    def _comparable_names(self, client: ServerClient) -> tuple[dict[str, str], dict[str, int]]:
-        """HF name -> the server's name of the tensors it stores under the same shape, or
-        padded along the vocabulary (what the sync check compares), and served name -> rows
-        compared of the padded ones; ``RolloutServerError`` when a norm of another shape shows
-        that it serves another model."""
-        got = client.rpc("saopd_server_shapes", sorted(self.expected_weights))
-        shapes, mapped = got.get("shapes"), got.get("names")
-        if not isinstance(shapes, dict) or not isinstance(mapped, dict):
-            raise client.garbage("/collective_rpc saopd_server_shapes", "shapes and names", got)
-        names: dict[str, str] = {}
-        rows: dict[str, int] = {}
-        wrong = []
-        for hf, shape in self.expected_weights.items():
-            name = mapped.get(hf)
-            if not isinstance(name, str) or name not in shapes:
-                continue  # fused or renamed by the model's loader: not comparable
-            served = tuple(shapes[name]) if isinstance(shapes[name], list) else None
-            if served == shape:
-                names[hf] = name
-            elif (served is not None and len(served) == len(shape) >= 2
-                  and served[1:] == shape[1:] and served[0] > shape[0]):
-                names[hf] = name  # a vocabulary vLLM padded: its first rows are compared
-                rows[name] = shape[0]
-            elif hf.endswith("norm.weight") and served is not None:
-                # (an embedding may be padded: vLLM pads the vocabulary; norms are not)
-                wrong.append(f"{hf}: {served} (student: {shape})")
-        if wrong:
-            raise RolloutServerError(
-                f"rollout server {client.url} serves {self.model!r}, whose weights do not fit "
-                f"the student's: {wrong[:3]}")
-        return names, rows
-
-    def _check_identity(self, client: ServerClient) -> None:
-        """``RolloutServerError`` when the server is not the one met at start-up."""
-        info = client.rpc("saopd_server_info")
-        now = (info.get("instance"), info.get("pid"))
-        if now != self._identity[client.url]:
-            then = self._identity[client.url]
-            started = _as_float(info.get("started"))
-            when = (time.strftime(" at %H:%M:%S", time.localtime(started))
-                    if math.isfinite(started) and started > 0 else "")
-            raise RolloutServerError(
-                f"rollout server {client.url} restarted{when} (instance {then[0][:8]} pid "
-                f"{then[1]} at start-up, now {str(now[0])[:8]} pid {now[1]}): it serves its "
-                "start-up weights, not the student's; the run stops (restart it with "
-                "resume=auto)")
 
     # ------------------------------------------------------------------------------------------
     # construction from a live model
@@ -521,7 +337,7 @@ class VLLMServerEngine:
                            fix="start them with a larger --max-model-len or lower "
                                "data.max_prompt_length / max_new_tokens")
         for client in self.clients:
-            self._check_identity(client)
+            client.check_identity(self._identity[client.url])
         rank, _ = _global_rank_world()
         owners = [self.clients[(k + rank) % len(self.clients)] for k in range(len(kept))]
         for owner in owners:
@@ -567,7 +383,7 @@ class VLLMServerEngine:
                 raise RolloutServerError(
                     f"rollout server {client.url} sampled prompt {index} from other prompt ids "
                     f"than it was sent ({len(prompt)} vs {len(ids)} tokens)")
-            lps = [_as_float(v) for v in values]
+            lps = [json_number(v) for v in values]
             if not all(math.isfinite(x) for x in lps):
                 raise RuntimeError(
                     f"rollout server {client.url} returned non-finite sampled-token log-probs "
@@ -633,16 +449,10 @@ class VLLMServerEngine:
         atexit.register(shutil.rmtree, folder, True)
         token = uuid.uuid4().hex
         (folder / PROBE_FILE).write_text(token)
-        want = hashlib.sha256(token.encode()).hexdigest()
+        digest = hashlib.sha256(token.encode()).hexdigest()
         try:
             for client in self.clients:
-                got = client.rpc("saopd_server_read_probe", str(folder))
-                if got.get("sha256") != want:
-                    raise RolloutServerError(
-                        f"rollout server {client.url} cannot read the weights folder {folder} "
-                        f"that global rank 0 writes ({got.get('error') or 'another file'}): "
-                        "rollout.weights_dir must be a folder every server sees (one node: "
-                        "/dev/shm; several nodes: a shared file system)")
+                client.read_probe(folder, digest)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -656,14 +466,12 @@ class VLLMServerEngine:
 
         def one(client: ServerClient) -> BaseException | None:
             try:
-                self._check_identity(client)
-                got = self._reload(client, folder)
-                if not isinstance(got.get("repacked"), int):
-                    raise client.garbage("/collective_rpc saopd_server_reload",
-                                         '{"repacked": <int>}', got)
+                client.check_identity(self._identity[client.url])
+                client.reload(folder)
                 client.reset_prefix_cache()
                 if self.verify_sync:
-                    self.last_sync_checked = self._check_sums(client, sums)
+                    self.last_sync_checked = client.check_sums(sums, self._verify_names,
+                                                               self._rows)
                 return None
             except Exception as err:
                 return err
@@ -677,47 +485,6 @@ class VLLMServerEngine:
                     else RolloutServerError)
             raise kind(f"weight sync failed on {len(errors)} rollout servers: "
                        + " | ".join(str(e) for e in errors))
-
-    @staticmethod
-    def _reload(client: ServerClient, folder: Path) -> dict[str, Any]:
-        """``saopd_server_reload`` of ``folder`` on ``client``'s server; a refusal (weights kept)
-        and a failure inside vLLM (weights partly replaced: restart) each get their message."""
-        try:
-            got = client.rpc("saopd_server_reload", str(folder))
-        except RolloutServerError as err:
-            if err.http_status is not None and err.http_status >= 500 and not err.fatal:
-                raise RolloutServerError(
-                    f"rollout server {client.url}: the weight reload from {folder} failed "
-                    f"inside vLLM ({err}); its weights are now partly replaced and it has "
-                    "marked itself unhealthy: restart it (saopd-serve), then resume the run "
-                    "(resume=auto)") from None
-            raise
-        if "refused" in got:
-            raise RolloutServerError(
-                f"rollout server {client.url} refused to reload {folder}: {got['refused']} "
-                "(it keeps its previous weights)")
-        return got
-
-    def _check_sums(self, client: ServerClient, sums: Mapping[str, float]) -> int:
-        """Compare the server's sums with what was sent; returns how many tensors were
-        compared, ``RuntimeError`` naming the server on a mismatch."""
-        names = sorted(sums)
-        served = [self._verify_names[n] for n in names]
-        got = client.rpc("saopd_server_sync_check", served,
-                         {n: r for n, r in self._rows.items() if n in served})
-        have, stale = got.get("sums"), got.get("stale")
-        if not isinstance(have, dict) or not isinstance(stale, list):
-            raise client.garbage("/collective_rpc saopd_server_sync_check",
-                                 "sums and stale modules", got)
-        values = {n: _as_float(have.get(v)) for n, v in zip(names, served, strict=True)}
-        wrong = [f"{n}: sent sum {sums[n]:.6g}, server has {values[n]:.6g}" for n in names
-                 if not math.isclose(sums[n], values[n], rel_tol=1e-6, abs_tol=1e-4)]
-        wrong += [f"{n}: its packed GEMM weight no longer matches its weight" for n in stale]
-        if wrong:
-            raise RuntimeError(f"rollout server {client.url}: weight sync check failed "
-                               f"({len(wrong)} of {len(names) + len(stale)} checks) after "
-                               f"reload: {wrong[:3]}")
-        return len(names)
 
     # ------------------------------------------------------------------------------------------
     # lifetime

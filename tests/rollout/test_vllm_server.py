@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 
 from saopd.config.rollout import VLLMServerRolloutConfig
 from saopd.rollout import ENGINES, SamplingParams, build_engine
-from saopd.rollout.vllm_server import RolloutServerError, ServerClient, VLLMServerEngine
+from saopd.rollout.vllm_server import VLLMServerEngine
+from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
 from saopd.rollout.vllm_worker import INSTANCE_ENV, PROBE_FILE, STARTED_ENV, WORKER_EXTENSION
 from saopd.serve import GUARD, build_command, weights_dir
 from saopd.serve import main as serve_main

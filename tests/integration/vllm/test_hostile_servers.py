@@ -421,7 +421,7 @@ class _Server:
         return self._key
 
     def wait(self) -> None:
-        from saopd.rollout.vllm_server import RolloutServerError, ServerClient
+        from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
 
         deadline = time.monotonic() + START_TIMEOUT
         while self.key_file is not None and not self.key_file.exists():
@@ -613,7 +613,7 @@ def test_reloads_read_only_the_weights_folder_and_a_refused_one_keeps_the_weight
         servers, tok, tmp_path) -> None:
     from saopd.models.tiny import tiny_qwen3
     from saopd.rollout import SamplingParams
-    from saopd.rollout.vllm_server import RolloutServerError
+    from saopd.rollout.vllm_server_client import RolloutServerError
 
     a = servers["a"]
     # the server removed the dead run's folder at start, not the live one's
@@ -674,7 +674,7 @@ def test_reloads_read_only_the_weights_folder_and_a_refused_one_keeps_the_weight
 def test_a_reload_that_fails_inside_vllm_makes_the_server_say_restart(servers, tok,
                                                                      monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
-    from saopd.rollout.vllm_server import RolloutServerError
+    from saopd.rollout.vllm_server_client import RolloutServerError
 
     b = servers["b"]
     monkeypatch.setenv(API_KEY_ENV, b.key)  # B's key from the environment, as a client's would

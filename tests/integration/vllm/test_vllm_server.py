@@ -44,7 +44,8 @@ import torch
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.rollout import SamplingParams
 from saopd.rollout.hf import default_stop_token_ids
-from saopd.rollout.vllm_server import RolloutServerError, ServerClient, VLLMServerEngine
+from saopd.rollout.vllm_server import VLLMServerEngine
+from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
 from saopd.rollout.vllm_sync import canonical_weight_name
 
 CHATS = [
