@@ -17,12 +17,8 @@ import torch.multiprocessing as mp
 
 from saopd.rollout import SamplingParams
 from saopd.rollout.base import RolloutBatch
-from saopd.rollout.vllm import (
-    TensorParallelGroup,
-    VLLMEngine,
-    gather_group_requests,
-    tensor_parallel_groups,
-)
+from saopd.rollout.vllm import VLLMEngine
+from saopd.rollout.vllm_tp import TensorParallelGroup, gather_group_requests, tensor_parallel_groups
 
 
 def test_groups_are_consecutive_ranks_within_a_node() -> None:

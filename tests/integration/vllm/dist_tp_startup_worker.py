@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch.distributed as dist
 
 import saopd.rollout.vllm as vllm_engine
+import saopd.rollout.vllm_tp as vllm_tp
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.rollout import SamplingParams
 
@@ -30,7 +31,7 @@ from saopd.rollout import SamplingParams
 def main() -> None:
     out, mode, timeout = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
     rank = int(os.environ["RANK"])
-    vllm_engine.HARD_DEADLINE_GRACE = 5.0
+    vllm_tp.HARD_DEADLINE_GRACE = 5.0
     dist.init_process_group("gloo")
     tok = tiny_tokenizer()
     model = tiny_qwen3(tok, seed=1)
