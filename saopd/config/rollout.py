@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saopd.choices import ROLLOUT_SAMPLERS, SYNC_TRANSPORTS, VLLM_DTYPES
+from saopd.choices import ROLLOUT_SAMPLERS, SYNC_TRANSPORTS
+from saopd.config.vllm_engine import VLLMEngineOptions
 from saopd.validation import check_choice, check_fraction, check_int, check_number, check_positive
 
 __all__ = ["HFRolloutConfig", "RolloutConfig", "VLLMRolloutConfig", "VLLMServerRolloutConfig"]
@@ -96,28 +97,17 @@ class HFRolloutConfig(RolloutConfig):
 
 
 @dataclass
-class VLLMRolloutConfig(RolloutConfig):
+class VLLMRolloutConfig(RolloutConfig, VLLMEngineOptions):
     """``rollout=vllm``: :class:`saopd.rollout.vllm.VLLMEngine`, a vLLM copy of the student,
-    synced after every optimizer step (needs the ``vllm`` package: docs/vllm.md).
+    synced after every optimizer step (needs the ``vllm`` package: docs/vllm.md). The engine's
+    options (``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_gb``,
+    ``enforce_eager``, ``tensor_parallel_size``, ``model_dir``, ``max_images_per_prompt``,
+    ``startup_timeout``) are :class:`~saopd.config.vllm_engine.VLLMEngineOptions`'.
 
     Attributes:
         importance_ratio_cap: 5.0: vLLM's sampler and the trainer disagree slightly (kernels,
             precision), so the sampled objectives multiply by ``min(exp(lpS - lp_sampler), 5)``
             (verl, G-OPD); ``objective.importance_ratio_cap=null`` turns it off.
-        dtype: ``auto`` (the student's) | ``float32`` | ``bfloat16`` | ``float16``.
-        max_model_len: prompt + response limit (null = the model's).
-        gpu_memory_utilization: memory fraction for weights + KV cache, in (0, 1] (GPU; on the
-            CPU backend it would be of the machine's RAM, and is not used: see kv_cache_gb).
-        kv_cache_gb: KV-cache size in GiB instead of the fraction. null: the fraction on GPU;
-            on vLLM's CPU backend saopd sizes the cache before vLLM starts (room for
-            ``max_num_seqs`` x ``max_model_len`` tokens, at most a quarter of the free memory
-            after the weights; :func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`) or
-            refuses the run naming this option.
-        enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
-        tensor_parallel_size: GPUs the engine shards the model over. With several training
-            processes, t > 1 makes each group of t consecutive ranks share one engine sharded
-            over their devices (vLLM's external launcher in the training processes; t must
-            divide the processes per node; docs/vllm.md).
         enable_sleep_mode: GPU only: free the engine's memory during the training step.
         sleep_level: 1 offloads weights to CPU; 2 drops them (reported to return stale weights
             after wake-up: keep ``verify_sync`` on).
@@ -128,34 +118,18 @@ class VLLMRolloutConfig(RolloutConfig):
             with several training processes each rank's engine core always runs in its own
             process, except with ``tensor_parallel_size`` > 1, where it always runs in the
             training process (docs/vllm.md).
-        startup_timeout: seconds the engine's start-up may take before the run stops with a
-            message (0 = no limit).
         verify_sync: check that every sync landed (cheap sums of embeddings and norms, the
             packed LM head).
-        model_dir: where the initial student is saved for vLLM (null = a temporary folder in
-            ``/dev/shm``, removed at exit).
-        max_images_per_prompt: vLLM's image limit per prompt for vision-language students
-            (``limit_mm_per_prompt``; memory is reserved for this many); a prompt with more
-            images is refused, naming it. Ignored for text models.
     """
 
     engine: str = "vllm"
     importance_ratio_cap: float | None = 5.0
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_gb: float | None = None
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
     enable_sleep_mode: bool = False
     sleep_level: int = 1
     weight_bucket_mb: int = 512
     sync_transport: str = "auto"
     in_process: bool = True
     verify_sync: bool = True
-    model_dir: str | None = None
-    max_images_per_prompt: int = 4
-    startup_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -165,17 +139,10 @@ class VLLMRolloutConfig(RolloutConfig):
                              "rollout.in_process=false: the engine samples in a background "
                              "thread while the step trains, and an in-process CPU engine shares "
                              "torch's thread settings with the trainer")
-        check_choice("dtype", self.dtype, VLLM_DTYPES, owner="rollout")
-        check_int("max_model_len", self.max_model_len, owner="rollout", allow_none=True)
-        check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0,
-                     owner="rollout")
-        check_number("kv_cache_gb", self.kv_cache_gb, low=0.0, owner="rollout", allow_none=True)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, owner="rollout")
+        self.check_engine_options("rollout")
         check_choice("sleep_level", self.sleep_level, (1, 2), owner="rollout")
         check_int("weight_bucket_mb", self.weight_bucket_mb, owner="rollout")
-        check_number("startup_timeout", self.startup_timeout, low=0.0, owner="rollout")
         check_choice("sync_transport", self.sync_transport, SYNC_TRANSPORTS, owner="rollout")
-        check_int("max_images_per_prompt", self.max_images_per_prompt, owner="rollout")
 
 
 @dataclass

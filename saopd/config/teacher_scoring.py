@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from saopd.choices import VLLM_DTYPES
+from saopd.config.vllm_engine import VLLMEngineOptions, engine_option_names
 from saopd.validation import check_choice, check_int, check_number
 
 __all__ = ["TEACHER_SCORING_BACKENDS", "TeacherScoringConfig"]
@@ -22,9 +22,7 @@ TEACHER_SCORING_BACKENDS = ("hf", "vllm", "vllm_server")
 
 #: The options each backend reads beyond ``backend`` and ``top_k`` (the others must keep their
 #: defaults under it).
-_ENGINE_OPTIONS = ("dtype", "max_model_len", "gpu_memory_utilization", "kv_cache_gb",
-                   "enforce_eager", "tensor_parallel_size", "in_process", "devices",
-                   "model_dir", "max_images_per_prompt", "startup_timeout")
+_ENGINE_OPTIONS = (*engine_option_names(), "in_process", "devices")
 _SERVER_OPTIONS = ("urls", "model", "request_timeout", "startup_timeout",
                    "max_concurrent_requests", "api_key_file")
 BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -35,8 +33,12 @@ BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 @dataclass
-class TeacherScoringConfig:
-    """Where the teacher's log-probs of the step's full and residual contexts come from.
+class TeacherScoringConfig(VLLMEngineOptions):
+    """Where the teacher's log-probs of the step's full and residual contexts come from. The
+    ``vllm`` backend's engine options (``dtype``: ``auto`` = the teacher config's dtype,
+    ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_gb``, ``enforce_eager``,
+    ``tensor_parallel_size``, ``model_dir``, ``max_images_per_prompt``, ``startup_timeout``,
+    which ``vllm_server`` reads too) are :class:`~saopd.config.vllm_engine.VLLMEngineOptions`'.
 
     Attributes:
         backend: ``hf`` (in the trainer: chunked scoring of the teacher's module; exact, every
@@ -52,28 +54,11 @@ class TeacherScoringConfig:
             serve the teacher-top-k fields of objectives with a top-k of at most K (exact: the
             teacher's own top-K) and the teacher's entropy, approximated over the top K plus one
             bucket for the rest of the vocabulary (a lower bound). Never used unless set.
-        dtype (vllm): the engine's dtype; ``auto`` = the teacher config's ``dtype``.
-        max_model_len (vllm): context limit of the engine (null = the model's).
-        gpu_memory_utilization (vllm): memory fraction for weights + KV cache (GPU; not used on
-            the CPU backend, where it would be of the machine's RAM: see ``kv_cache_gb``).
-        kv_cache_gb (vllm): KV-cache size in GiB instead of the fraction. null on vLLM's CPU
-            backend: sized by saopd before vLLM starts (room for ``max_num_seqs`` x
-            ``max_model_len`` tokens, at most a quarter of the free memory after the weights;
-            :func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`), or the run is refused
-            naming this option.
-        enforce_eager (vllm): no CUDA graphs / compilation.
-        tensor_parallel_size (vllm): GPUs the teacher engine shards over.
         in_process (vllm): run the engine core in the training process (the default runs it
             in its own process, so the teacher scores while the student's passes run; an
             in-process teacher cannot share the process with an in-process ``rollout=vllm``).
         devices (vllm): the GPUs of the teacher engine, as ``CUDA_VISIBLE_DEVICES`` of its
             engine core (``"1"``, ``"2,3"``); null = the process's. Needs ``in_process=false``.
-        model_dir (vllm): where a teacher that exists only in memory (tiny, pruned, GGUF) is
-            saved for vLLM (null = a temporary folder in ``/dev/shm``); folders and hub ids are
-            served from where they are.
-        max_images_per_prompt (vllm): vLLM's image limit per context (vision-language pairs).
-        startup_timeout (vllm, vllm_server): seconds the engine start-up / the servers'
-            ``/health`` may take.
         urls (vllm_server): the teacher servers' base URLs; each step's contexts are split
             over them, one request per server.
         model (vllm_server): the model id the servers must list in ``/v1/models`` (null = the
@@ -89,17 +74,8 @@ class TeacherScoringConfig:
 
     backend: str = "hf"
     top_k: int = 0
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_gb: float | None = None
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
     in_process: bool = False
     devices: str | None = None
-    model_dir: str | None = None
-    max_images_per_prompt: int = 4
-    startup_timeout: float = 600.0
     urls: list[str] = field(default_factory=list)
     model: str | None = None
     request_timeout: float = 1800.0
@@ -113,16 +89,7 @@ class TeacherScoringConfig:
             raise ValueError("teacher_scoring.top_k is the top-k approximation of the vLLM "
                              "backends; teacher_scoring=hf computes every signal exactly "
                              "(leave top_k at 0)")
-        check_choice("dtype", self.dtype, VLLM_DTYPES, owner="teacher_scoring")
-        check_int("max_model_len", self.max_model_len, owner="teacher_scoring",
-                  allow_none=True)
-        check_number("gpu_memory_utilization", self.gpu_memory_utilization, low=0.0, high=1.0,
-                     owner="teacher_scoring")
-        check_number("kv_cache_gb", self.kv_cache_gb, low=0.0, owner="teacher_scoring",
-                     allow_none=True)
-        check_int("tensor_parallel_size", self.tensor_parallel_size, owner="teacher_scoring")
-        check_int("max_images_per_prompt", self.max_images_per_prompt, owner="teacher_scoring")
-        check_number("startup_timeout", self.startup_timeout, low=0.0, owner="teacher_scoring")
+        self.check_engine_options("teacher_scoring")
         check_number("request_timeout", self.request_timeout, low=0.0, owner="teacher_scoring")
         check_int("max_concurrent_requests", self.max_concurrent_requests,
                   owner="teacher_scoring")
