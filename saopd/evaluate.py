@@ -31,16 +31,23 @@ import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import register_schema
 from saopd.config.eval import EvalConfig
 from saopd.config.model import ModelConfig
+from saopd.config.train import unknown_keys
 from saopd.eval.benchmarks import BENCHMARKS
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
 from saopd.lightning.checkpoints import read_checkpoint
+from saopd.lightning.runs import CHECKPOINT_IDENTITY_KEY
 from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root
 from saopd.rollout.base import SamplingParams
 from saopd.rollout.registry import build_engine
-from saopd.tracking import default_tracking_uri, local_artifact_location, store_lock
+from saopd.tracking import (
+    FOLDER_TAG,
+    default_tracking_uri,
+    local_artifact_location,
+    store_lock,
+)
 
 if TYPE_CHECKING:
     from saopd.rollout.base import SamplingParams
@@ -113,19 +120,31 @@ def _build(cfg: ModelConfig) -> tuple[Any, Any, Any]:
     return model, tokenizer, None
 
 
-def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, int]:
-    """Build the run's student architecture and load a checkpoint's student weights."""
-    model, tokenizer, _, step = _load_student(ckpt, model_cfg)
+def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig, *, run_id: str | None = None
+                            ) -> tuple[Any, Any, int]:
+    """Build the run's student architecture and load a checkpoint's student weights (refused
+    when it is not the checkpoint of MLflow run ``run_id``, when given)."""
+    model, tokenizer, _, step = _load_student(ckpt, model_cfg, run_id=run_id)
     return model, tokenizer, step
 
 
-def _load_student(ckpt: Path, model_cfg: ModelConfig) -> tuple[Any, Any, Any, int]:
-    """:func:`load_checkpoint_student` plus the processor of a vision-language student."""
+def _load_student(ckpt: Path, model_cfg: ModelConfig, *, run_id: str | None = None
+                  ) -> tuple[Any, Any, Any, int]:
+    """:func:`load_checkpoint_student` plus the processor of a vision-language student.
+
+    ``run_id``: the MLflow run the results go to; a checkpoint that records another MLflow run
+    is refused (its scores would be logged into a run that did not train it)."""
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint: no such file {ckpt}")
+    # verified (checksum or stored digest, finite), weights only: no pickle payload runs
+    state = read_checkpoint(ckpt)
+    owner = state.get(CHECKPOINT_IDENTITY_KEY)
+    if run_id is not None and isinstance(owner, Mapping) and owner.get("run_id") != run_id:
+        raise ValueError(f"checkpoint {ckpt} was trained by MLflow run {owner.get('run_id')}, "
+                         f"not {run_id}: its scores would be logged into a run that did not "
+                         "train it")
     cfg = _student_from_run(ckpt.parent.parent, model_cfg)
     model, tokenizer, processor = _build(cfg)
-    state = read_checkpoint(ckpt)  # verified checksum, weights only: no pickle payload runs
     student = {k[len("student."):]: v for k, v in state["state_dict"].items()
                if k.startswith("student.")}
     missing, unexpected = model.load_state_dict(student, strict=False)
@@ -156,6 +175,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
 
+    unknown = unknown_keys(cfg, EvalConfig)
+    if unknown:  # a `+key` the schema lacks would be kept by OmegaConf and dropped silently
+        raise ValueError("unknown config key(s): " + "; ".join(unknown))
     conf: EvalConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     for name in (*conf.benchmarks, *conf.k_per_benchmark, *conf.max_new_tokens):
         BENCHMARKS.get(name)
@@ -167,10 +189,12 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri)
-        params = client.get_run(conf.run_id).data.params
-        ckpt = Path(params["paths.output_dir"]) / "checkpoints" / "last.ckpt"
+        run = client.get_run(conf.run_id)
+        # the folder that last trained the run (it may have moved since it started)
+        folder = run.data.tags.get(FOLDER_TAG) or run.data.params["paths.output_dir"]
+        ckpt = Path(folder) / "checkpoints" / "last.ckpt"
     if ckpt is not None:
-        model, tokenizer, processor, step = _load_student(ckpt, conf.model)
+        model, tokenizer, processor, step = _load_student(ckpt, conf.model, run_id=conf.run_id)
     else:
         model, tokenizer, processor = _build(conf.model)
     judge = load_judge(conf.mmifeval_judge)

@@ -47,6 +47,8 @@ from saopd.paths import default_tracking_uri
 __all__ = [
     "CONFIG_ARTIFACT",
     "CONFIG_HASH_TAG",
+    "FOLDER_TAG",
+    "RUN_UID_TAG",
     "STORE_LOCK_TIMEOUT_S",
     "ResumableMLFlowLogger",
     "StoreLockTimeout",
@@ -58,7 +60,9 @@ __all__ = [
     "log_resolved_config",
     "log_text_artifact",
     "make_mlflow_logger",
+    "read_run_tags",
     "store_lock",
+    "store_lock_timeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,12 @@ CONFIG_ARTIFACT = "config/config.yaml"
 
 CONFIG_HASH_TAG = "saopd.config_sha256"
 """Run tag: SHA-256 of the YAML first logged as :data:`CONFIG_ARTIFACT`."""
+
+RUN_UID_TAG = "saopd.run_uid"
+"""Run tag: the saopd run (``run_uid`` of its folder's record) whose steps the MLflow run holds."""
+
+FOLDER_TAG = "saopd.folder"
+"""Run tag: the run folder that last wrote to the MLflow run (a copy elsewhere is another run)."""
 
 _SQLITE_PREFIX = "sqlite:///"
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- :]")  # MLflow accepts /, word chars, '.', '-', ' ', ':'
@@ -250,7 +260,7 @@ def store_lock(uri: str, timeout_s: float | None = None) -> Iterator[None]:
     from filelock import FileLock, Timeout
 
     if timeout_s is None:
-        timeout_s = float(os.environ.get("SAOPD_STORE_LOCK_TIMEOUT", STORE_LOCK_TIMEOUT_S))
+        timeout_s = store_lock_timeout()
     db.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(db) + ".lock", timeout=timeout_s)
     try:
@@ -265,6 +275,40 @@ def store_lock(uri: str, timeout_s: float | None = None) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def store_lock_timeout() -> float:
+    """Seconds :func:`store_lock` waits: ``$SAOPD_STORE_LOCK_TIMEOUT`` when set, else
+    :data:`STORE_LOCK_TIMEOUT_S`. Raises ``ValueError`` naming the variable when it is not a
+    number >= 0."""
+    text = os.environ.get("SAOPD_STORE_LOCK_TIMEOUT")
+    if text is None:
+        return STORE_LOCK_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"SAOPD_STORE_LOCK_TIMEOUT={text!r} is not a number of seconds >= 0 "
+                         "(how long to wait for the MLflow store's lock)")
+    return value
+
+
+def read_run_tags(uri: str, run_id: str) -> dict[str, str] | None:
+    """The tags of MLflow run ``run_id`` in store ``uri``; None when the store or the run does
+    not exist (a local SQLite store is not created by asking)."""
+    from mlflow.exceptions import MlflowException
+
+    db = _sqlite_path(uri)
+    if db is not None and not db.is_file():
+        return None
+    import mlflow
+
+    try:
+        with store_lock(uri):
+            return dict(mlflow.MlflowClient(uri).get_run(run_id).data.tags)
+    except MlflowException:
+        return None
 
 
 def _reopen_run(logger: MLFlowLogger, run_id: str) -> None:

@@ -38,15 +38,20 @@ from saopd.lightning.callbacks import EvalCallback, RolloutCallback, TokenViewCa
 from saopd.lightning.data import PromptDataModule
 from saopd.lightning.module import OPDModule
 from saopd.lightning.runs import (
+    RUN_RECORD,
     FiniteGuard,
     NonFiniteError,
     PreemptionCheckpoint,
+    RunIdentityCallback,
     RunLock,
+    RunPlan,
     check_resume_config,
-    find_resume,
-    run_folder,
+    claimed_by,
+    config_digest,
+    plan_run,
     schema_defaults,
     training_config,
+    write_run_record,
     write_training_config,
 )
 from saopd.lightning.trainer import build_trainer, checkpoint_callback
@@ -65,10 +70,13 @@ from saopd.scoring.teacher_service import (
 )
 from saopd.sweeps import is_multirun, record_job_failure, sweep_tags
 from saopd.tracking import (
+    FOLDER_TAG,
+    RUN_UID_TAG,
     default_tracking_uri,
     log_params,
     log_resolved_config,
     make_mlflow_logger,
+    read_run_tags,
     store_lock,
 )
 
@@ -76,7 +84,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("saopd.train")
 CONF_DIR = str(conf_dir())
-RUN_RECORD = "saopd_run.json"
 
 
 class UserError(Exception):
@@ -106,17 +113,20 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     token_filter = _checked("config group 'filter'", _build_variant, build_filter, conf.filter)
     objective = _checked("config group 'objective'", _build_variant, build_objective,
                          conf.objective)
-    ckpt = _checked("resume", find_resume, conf)  # verified: checksum, weights only
-    out_dir = run_folder(ckpt, conf.paths.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     zero = _global_rank() == 0  # under DDP/FSDP every rank runs this function
     run_config = training_config(dataclasses.asdict(conf))
-    changes = (_checked("resume", check_resume_config, out_dir, run_config,
-                        (*conf.resume_changes, "steps"), schema_defaults(conf))
-               if ckpt is not None else {})
+    # the checkpoint (verified: checksum or stored digest, weights only, finite), its run folder
+    # and whose it is: the run's own, a moved folder, a copy (a new run) or another run's
+    plan = _checked("resume", plan_run, conf, run_config)
+    out_dir = plan.folder
+    out_dir.mkdir(parents=True, exist_ok=True)
+    changes = (_checked("resume", check_resume_config, plan.recorded_config, run_config,
+                        (*conf.resume_changes, "steps"), schema_defaults(conf),
+                        source=plan.config_source)
+               if plan.checkpoint is not None else {})
     lock = _checked("run", RunLock(out_dir).acquire) if zero else None  # one writer per run
     try:
-        return _train(cfg, conf, token_filter, objective, ckpt, out_dir, run_config, changes,
+        return _train(cfg, conf, token_filter, objective, plan, run_config, changes,
                       extra_callbacks)
     finally:
         if lock is not None:
@@ -124,17 +134,22 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
 
 
 def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any,
-           ckpt: Path | None, out_dir: Path, run_config: dict[str, str],
+           plan: RunPlan, run_config: dict[str, str],
            changes: dict[str, tuple[str, str]], extra_callbacks: list[L.Callback] | None
            ) -> dict[str, Any]:
     """The rest of :func:`train`, with the run folder locked."""
+    ckpt, out_dir = plan.checkpoint, plan.folder
     if conf.trainer.threads:
         torch.set_num_threads(conf.trainer.threads)
         # Lightning's DDP/FSDP set each process's threads unless OMP_NUM_THREADS is set
         os.environ["OMP_NUM_THREADS"] = str(conf.trainer.threads)
     zero = _global_rank() == 0
-    if zero and (ckpt is None or changes):
+    if zero and (plan.how in ("new", "copied", "from_checkpoint") or changes
+                 or not (out_dir / "saopd_config.json").is_file()):
         write_training_config(out_dir, run_config)
+    if zero:
+        plan.identity.config_sha256 = config_digest(run_config)
+        _checked("run", write_run_record, out_dir, plan.identity)
     if zero and changes:
         _record_resume_changes(out_dir, changes)
 
@@ -192,27 +207,36 @@ def _train(cfg: DictConfig, conf: TrainConfig, token_filter: Any, objective: Any
         data = PromptDataModule(records, prompts_per_step=conf.prompts_per_step,
                                 num_steps=conf.steps, seed=conf.seed, shuffle=conf.data.shuffle)
         # Under DDP/FSDP every rank runs this function; only global rank 0 tracks the run.
-        loggers, run_info = (_checked("logger", _make_logger, conf, out_dir,
-                                      resuming=ckpt is not None) if zero else ([], {}))
+        loggers, run_info = (_checked("logger", _make_logger, conf, plan) if zero
+                             else ([], {}))
+        if loggers:  # the record names the MLflow run now
+            _checked("run", write_run_record, out_dir, plan.identity)
         if loggers and changes:
             loggers[0].experiment.set_tag(loggers[0].run_id, "saopd.resume_changes",
                                           json.dumps(changes)[:5000])
         trainer = _checked("trainer", build_trainer, conf, out_dir, loggers=loggers,
                            callbacks=[*_callbacks(conf, engine, out_dir),
+                                      RunIdentityCallback(plan.identity, run_config),
                                       *(extra_callbacks or [])])
         if loggers:  # what the teacher scored (the choice itself is the config's param)
             log_params(loggers[0], {f"teacher_contexts.{k}": v
                                     for k, v in contexts_record.items() if k != "choice"})
-        if loggers and ckpt is None:
+        if loggers and run_info.get("new_mlflow_run"):
             log_resolved_config(loggers[0], cfg)
             for name, value in data_counts.items():
                 loggers[0].log_metrics({f"data/{name}": float(value)}, step=0)
+        run_info.pop("new_mlflow_run", None)
         try:
             trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
         except NonFiniteError as err:
             raise UserError(str(err)) from None
         except TeacherServiceError as err:  # a teacher server failed mid-run: say which
             raise UserError(f"teacher_scoring: {err}") from None
+        except (ValueError, OSError) as err:  # a fault met inside the loop (a full disk, a
+            # checkpoint refused on load): one line, as before the loop; the traceback to the log
+            log.debug("training stopped", exc_info=True)
+            raise UserError(f"training stopped after {trainer.global_step} steps: "
+                            f"{err}") from None
     finally:
         if scorer is not None:
             scorer.close()
@@ -284,7 +308,7 @@ def _callbacks(conf: TrainConfig, engine: RolloutEngine, out_dir: Path) -> list[
         RolloutCallback(engine, sampling, sync_weights=holds_weights(engine),
                         async_steps=conf.rollout.async_steps),
         checkpoint_callback(conf, out_dir),
-        FiniteGuard(),
+        FiniteGuard(temperature=conf.rollout.temperature),
         PreemptionCheckpoint(out_dir / "checkpoints"),
     ]
     if conf.trainer.view_every_n_steps:
@@ -313,24 +337,46 @@ def _eval_callback(conf: TrainConfig, out_dir: Path) -> L.Callback:
                         sampler=conf.eval.sampler)
 
 
-def _make_logger(conf: TrainConfig, out_dir: Path, *, resuming: bool
-                 ) -> tuple[list[Any], dict[str, Any]]:
+def _make_logger(conf: TrainConfig, plan: RunPlan) -> tuple[list[Any], dict[str, Any]]:
+    """The run's MLflow logger: the MLflow run of its record when it continues its own run
+    (and that MLflow run is not another folder's), else a new one, tagged with the run it was
+    copied or started from. Fills the MLflow fields of ``plan.identity``; the info returned
+    says whether the MLflow run is new (``new_mlflow_run``)."""
     if conf.logger.kind == "none":
         return [], {}
-    record = out_dir / RUN_RECORD
-    previous = json.loads(record.read_text()) if resuming and record.is_file() else {}
-    uri = conf.logger.tracking_uri or previous.get("tracking_uri") or default_tracking_uri(
+    ident = plan.identity
+    uri = conf.logger.tracking_uri or ident.tracking_uri or default_tracking_uri(
         conf.paths.root)
     name = conf.logger.experiment_name or conf.experiment_name
     run_name = conf.logger.run_name or (
         f"{conf.experiment_name}-{conf.filter['name']}-{conf.objective['name']}-s{conf.seed}")
-    tags = _run_tags(conf)
+    run_id = ident.run_id if plan.continues_mlflow_run else None
+    if run_id is not None:  # whose is that MLflow run now? (a copy of a moved folder)
+        owner = read_run_tags(uri, run_id) or {}
+        if owner.get(RUN_UID_TAG, ident.run_uid) != ident.run_uid:
+            plan.as_copy(owner.get(FOLDER_TAG, "?"))
+        elif claimed_by(owner.get(FOLDER_TAG), ident.run_uid, plan.folder) is not None:
+            plan.as_copy(owner[FOLDER_TAG])
+        if plan.how == "copied":
+            log.warning("resume: MLflow run %s is another folder's (%s): this run logs to a "
+                        "new MLflow run", run_id, owner.get(FOLDER_TAG))
+            ident, run_id = plan.identity, None
+    own = {RUN_UID_TAG: ident.run_uid, FOLDER_TAG: str(plan.folder.absolute())}
+    if ident.copied_from:
+        parent = ident.copied_from
+        own.update({"saopd.copied_from": parent.get("run_id") or parent["run_uid"],
+                    "saopd.copied_from_folder": str(parent.get("folder"))})
+        if parent.get("checkpoint"):
+            own["saopd.copied_from_checkpoint"] = str(parent["checkpoint"])
     logger = make_mlflow_logger(experiment_name=name, tracking_uri=uri, run_name=run_name,
-                                run_id=previous.get("run_id"), tags=tags,
+                                run_id=run_id, tags={**_run_tags(conf), **own},
                                 root=Path(conf.paths.root))
-    info = {"tracking_uri": uri, "mlflow_experiment": name, "run_id": logger.run_id}
-    record.write_text(json.dumps(info, indent=2) + "\n")
-    return [logger], info
+    if run_id is not None:  # a continued run: it is this folder's now
+        for key, value in own.items():
+            logger.experiment.set_tag(run_id, key, value)
+    ident.run_id, ident.tracking_uri, ident.mlflow_experiment = logger.run_id, uri, name
+    return [logger], {"tracking_uri": uri, "mlflow_experiment": name, "run_id": logger.run_id,
+                      "new_mlflow_run": run_id is None}
 
 
 register_schema()

@@ -5,11 +5,19 @@
 - **atomic**: a checkpoint is written to a temporary file in its own folder, flushed to disk and
   renamed onto its name, so a full disk or a kill mid-write leaves the previous file as it was
   and never a truncated one beside it;
-- **checksummed**: ``<checkpoint>.sha256`` is written beside it (also atomically) and checked on
-  every read, so flipped or truncated bytes are refused by path instead of training on;
-- **finite**: a state whose student weights hold NaN or inf is refused (``ValueError`` naming
-  the tensor and the step), so ``last.ckpt`` and ``resume=auto`` keep pointing at the last good
-  state;
+- **checksummed twice**: ``<checkpoint>.sha256`` is written beside it (also atomically) and
+  checked on every read, so flipped or truncated bytes are refused by path instead of training
+  on; and a digest of the checkpoint's contents (every tensor's bytes, dtype and shape and every
+  other value, :func:`content_digest`) is stored inside it under :data:`CONTENT_DIGEST_KEY` and
+  checked after every load, so a checkpoint whose sidecar was lost (a plain ``cp``) is still
+  verified, and an edited one (a weight changed and saved again) is refused. A checkpoint with
+  neither (written before saopd stored digests, and copied without its sidecar) is refused:
+  its bytes cannot be verified;
+- **finite**: a state whose student weights hold NaN or inf is neither written (``ValueError``
+  naming the tensor and the step, so ``last.ckpt`` and ``resume=auto`` keep pointing at the last
+  good state) nor read;
+- **a full disk named**: a write that fails (ENOSPC, EIO) raises an ``OSError`` naming the
+  checkpoint's path, not torch's ``unexpected pos``; the previous checkpoint stays whole;
 - **weights-only reads**: :func:`read_checkpoint` loads with ``torch.load(weights_only=True)``:
   tensors and plain containers only, so a checkpoint carrying a pickle payload cannot run code.
 
@@ -24,7 +32,7 @@ import os
 import pickle
 import uuid
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +41,16 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from saopd.io import atomic_write, file_sha256
 
-__all__ = ["CHECKSUM_SUFFIX", "CheckpointError", "VerifiedCheckpointIO", "read_checkpoint",
-           "verify_checkpoint"]
+__all__ = ["CHECKSUM_SUFFIX", "CONTENT_DIGEST_KEY", "CheckpointError", "VerifiedCheckpointIO",
+           "content_digest", "read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
 #: The checksum file beside each checkpoint: ``<checkpoint><suffix>``, one hex sha256 line.
 CHECKSUM_SUFFIX = ".sha256"
+
+#: The key of a checkpoint that holds :func:`content_digest` of everything else in it.
+CONTENT_DIGEST_KEY = "saopd_content_sha256"
 
 
 class CheckpointError(ValueError):
@@ -50,20 +61,26 @@ def _checksum_path(path: Path) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint file ``path`` resolves to (``last.ckpt`` may be a link), checked against
-    its ``.sha256``; ``CheckpointError`` naming the file when the bytes differ. A checkpoint
-    without a checksum file (written before checksums existed) is read with a warning."""
+def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, bool]:
+    """The checkpoint file ``path`` resolves to (``last.ckpt`` may be a link) and whether its
+    ``.sha256`` sidecar vouched for its bytes (False when there is no sidecar: the caller must
+    verify it another way, :func:`read_checkpoint` does with the digest stored inside).
+
+    Raises ``FileNotFoundError`` naming the path (a dangling link names its target) and
+    ``CheckpointError`` when the bytes differ from the sidecar."""
     given = Path(path)
     if not given.is_file():
-        raise FileNotFoundError(f"checkpoint: no such file {given}")
+        if given.is_symlink():
+            raise FileNotFoundError(
+                f"{given} is a dangling link: the checkpoint it points to "
+                f"({os.readlink(given)}) is gone")
+        raise FileNotFoundError(f"no checkpoint at {given}")
     real = given.resolve()
     sidecar = _checksum_path(real)
     if not sidecar.is_file():
-        log.warning("checkpoint %s has no %s file: its bytes are not verified", real,
-                    CHECKSUM_SUFFIX)
-        return real
-    expected = sidecar.read_text().strip().split()[0] if sidecar.read_text().strip() else ""
+        return real, False
+    text = sidecar.read_text().strip()
+    expected = text.split()[0] if text else ""
     got = file_sha256(real)
     if got != expected:
         raise CheckpointError(
@@ -71,23 +88,58 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> Path:
             f"corrupt: its sha256 {got[:16]}... differs from {sidecar.name} "
             f"({expected[:16] or 'empty'}...); it was changed or cut after it was written. Use an "
             "older checkpoint of the run, or delete this one")
-    return real
+    return real, True
 
 
-def read_checkpoint(path: str | os.PathLike[str],
-                    map_location: Any = "cpu") -> dict[str, Any]:
-    """A verified checkpoint's contents (:func:`verify_checkpoint`), loaded weights-only.
+def content_digest(checkpoint: Mapping[str, Any]) -> str:
+    """sha256 of a checkpoint's contents but :data:`CONTENT_DIGEST_KEY`: every tensor's dtype,
+    shape and bytes and every other value, walked in a fixed order (mapping keys sorted, their
+    type included), so the same state gives the same digest before saving and after loading."""
+    h = hashlib.sha256()
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, torch.Tensor):
+            t = node.detach()
+            h.update(f"{where}\0tensor {t.dtype} {tuple(t.shape)}\0".encode())
+            if t.numel():
+                h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(node, Mapping):
+            keys = sorted((k for k in node if where or k != CONTENT_DIGEST_KEY),
+                          key=lambda k: (type(k).__name__, str(k)))
+            h.update(f"{where}\0map {len(keys)}\0".encode())
+            for key in keys:
+                walk(node[key], f"{where}/{type(key).__name__}:{key}")
+        elif isinstance(node, (list, tuple)):
+            h.update(f"{where}\0seq {len(node)}\0".encode())
+            for i, item in enumerate(node):
+                walk(item, f"{where}/{i}")
+        else:
+            h.update(f"{where}\0{type(node).__name__} {node!r}\0".encode())
+
+    walk(checkpoint, "")
+    return h.hexdigest()
+
+
+def read_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu", *,
+                    mmap: bool = False) -> dict[str, Any]:
+    """A verified checkpoint's contents, loaded weights-only.
+
+    Verified: its bytes against the ``.sha256`` sidecar when there is one
+    (:func:`verify_checkpoint`), and its contents against the digest stored inside
+    (:data:`CONTENT_DIGEST_KEY`); a checkpoint with neither is refused, as is one whose student
+    weights are not finite. ``mmap``: map the tensors instead of reading them into memory (for
+    reading a checkpoint's records before training loads it).
 
     Raises ``CheckpointError`` naming the file for a corrupt or truncated file, a file that is
-    not a torch checkpoint, or one holding objects other than tensors and plain containers
-    (a pickle payload is never executed).
+    not a torch checkpoint, one holding objects other than tensors and plain containers (a
+    pickle payload is never executed), an unverifiable or a non-finite one.
     """
-    real = verify_checkpoint(path)
+    real, vouched = verify_checkpoint(path)
     if not zipfile.is_zipfile(real):  # every torch.save file since torch 1.6 is a zip archive
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated, or not a torch "
                               "checkpoint: it is not a zip archive)")
     try:
-        state = torch.load(real, map_location=map_location, weights_only=True)
+        state = torch.load(real, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         raise CheckpointError(
             f"checkpoint {path} holds objects other than tensors and plain containers; it is "
@@ -99,6 +151,22 @@ def read_checkpoint(path: str | os.PathLike[str],
     if not isinstance(state, dict) or "state_dict" not in state:
         raise CheckpointError(f"checkpoint {path} is not a saopd training checkpoint (no "
                               "'state_dict')")
+    stored = state.get(CONTENT_DIGEST_KEY)
+    if stored is None and not vouched:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be verified: it has no {CHECKSUM_SUFFIX} file beside it "
+            "and no content digest inside (written by an older saopd, then copied without its "
+            f"sidecar). If you trust it, record its checksum: sha256sum {real} > "
+            f"{_checksum_path(real)}")
+    if stored is not None and stored != content_digest(state):
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: its contents differ from the digest stored inside "
+            "it when it was written (a tensor or value was changed afterwards). Use an older "
+            "checkpoint of the run, or delete this one")
+    bad = _non_finite(state)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path} holds a weight that is not finite ({bad}); "
+                              "it is refused")
     return state
 
 
@@ -126,18 +194,26 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
                 "checkpoint is kept")
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint = {**checkpoint, CONTENT_DIGEST_KEY: content_digest(checkpoint)}
         tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
         digest = hashlib.sha256()
+        writer: _HashingWriter | None = None
         try:
             with open(tmp, "wb") as fh:
-                torch.save(checkpoint, _HashingWriter(fh, digest.update))
+                writer = _HashingWriter(fh, digest.update)
+                torch.save(checkpoint, writer)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, target)
-        except BaseException:
+            atomic_write(_checksum_path(target), [digest.hexdigest() + "\n"])
+        except BaseException as err:
             tmp.unlink(missing_ok=True)
+            # torch's zip writer hides a failed write behind "unexpected pos": say what failed
+            cause = writer.error if writer is not None and writer.error else err
+            if isinstance(cause, OSError):
+                raise OSError(cause.errno, f"cannot write the checkpoint {target}: "
+                              f"{cause.strerror or cause}") from None
             raise
-        atomic_write(_checksum_path(target), [digest.hexdigest() + "\n"])
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -154,10 +230,19 @@ class _HashingWriter:
     def __init__(self, fh: Any, update: Callable[[bytes], None]) -> None:
         self._fh = fh
         self._update = update
+        self.error: OSError | None = None  # the first failed write (torch's writer hides it)
 
     def write(self, data: bytes) -> int:
         self._update(bytes(data))
-        return self._fh.write(data)
+        try:
+            return self._fh.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
-        self._fh.flush()
+        try:
+            self._fh.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise

@@ -19,7 +19,8 @@ from saopd.config.train import TrainConfig
 from saopd.lightning.checkpoints import VerifiedCheckpointIO
 from saopd.rollout.registry import num_training_processes
 
-__all__ = ["build_trainer", "checkpoint_callback", "data_parallel_size", "strategy"]
+__all__ = ["RunCheckpoint", "build_trainer", "checkpoint_callback", "data_parallel_size",
+           "strategy"]
 
 
 def data_parallel_size(conf: TrainConfig) -> int:
@@ -59,15 +60,49 @@ def strategy(conf: TrainConfig) -> Any:
     return t.strategy
 
 
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` that keeps track of its files when the run folder moves.
+
+    Lightning restores the paths of the last and the kept checkpoints only when the folder is
+    where it was (``dirpath`` unchanged); after ``mv`` it forgets them, so ``last.ckpt`` was
+    never replaced (a ``last-v1.ckpt`` beside it, and the next resume restored the old step) and
+    superseded ``step_*.ckpt`` files stayed on disk. Here the recorded paths under the old folder
+    are mapped to the same files under the new one. The version counter is off: a file of the
+    same name is replaced, never versioned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("enable_version_counter", False)
+        super().__init__(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        old, new = state_dict.get("dirpath"), self.dirpath
+        if old and new and old != new:
+            def moved(path: Any) -> Any:
+                if not path:
+                    return path
+                try:
+                    return str(Path(new) / Path(path).relative_to(old))
+                except ValueError:  # not under the old folder: left as it is
+                    return path
+
+            state_dict = {**state_dict, "dirpath": new,
+                          **{key: moved(state_dict.get(key)) for key in
+                             ("best_model_path", "kth_best_model_path", "last_model_path")},
+                          "best_k_models": {moved(k): v for k, v in
+                                            (state_dict.get("best_k_models") or {}).items()}}
+        super().load_state_dict(state_dict)
+
+
 def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
     """``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps`` and ``last.ckpt``, a link
     to the newest one (one copy on disk, not two), each with its ``.sha256``
-    (:class:`~saopd.lightning.checkpoints.VerifiedCheckpointIO`)."""
-    return ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
-                           every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
-                           save_last="link",
-                           save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
-                           auto_insert_metric_name=False)
+    (:class:`~saopd.lightning.checkpoints.VerifiedCheckpointIO`); a moved run folder keeps
+    replacing its own files (:class:`RunCheckpoint`)."""
+    return RunCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
+                         every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
+                         save_last="link",
+                         save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
+                         auto_insert_metric_name=False)
 
 
 def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],

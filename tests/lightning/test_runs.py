@@ -12,14 +12,11 @@ import pytest
 
 from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO
 from saopd.lightning.runs import (
-    RESOLVED_CONFIG,
     RunBusyError,
     RunLock,
     check_resume_config,
-    run_folder,
     schema_defaults,
     training_config,
-    write_training_config,
 )
 
 
@@ -33,24 +30,22 @@ def test_training_config_keeps_what_changes_training() -> None:
                                     "trainer.precision": '"bf16-mixed"'}
 
 
-def test_a_resume_with_another_method_or_lr_is_refused_naming_the_keys(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    run.mkdir()
+def test_a_resume_with_another_method_or_lr_is_refused_naming_the_keys() -> None:
     before = training_config({"seed": 0, "optim": {"lr": 1e-3}, "filter": {"name": "sa_opd"},
                               "objective": {"name": "sampled"}})
-    write_training_config(run, before)
     now = training_config({"seed": 0, "optim": {"lr": 0.5}, "filter": {"name": "none"},
                            "objective": {"name": "full_kl"}})
-    with pytest.raises(ValueError, match=r"filter\.name: \"sa_opd\" -> \"none\".*optim\.lr: "
+    with pytest.raises(ValueError, match=r"trained checkpoint x\.ckpt .*filter\.name: "
+                                         r"\"sa_opd\" -> \"none\".*optim\.lr: "
                                          r"0\.001 -> 0\.5.*resume_changes=\["):
-        check_resume_config(run, now)
-    assert check_resume_config(run, before) == {}
+        check_resume_config(before, now, source="checkpoint x.ckpt")
+    assert check_resume_config(before, before) == {}
     # changing a key on purpose is allowed when named, and reported for the record
     lr_only = dict(before, **{"optim.lr": "0.5"})
-    assert check_resume_config(run, lr_only, allowed=("optim.lr",)) == {
+    assert check_resume_config(before, lr_only, allowed=("optim.lr",)) == {
         "optim.lr": ("0.001", "0.5")}
     with pytest.raises(ValueError, match="seed"):
-        check_resume_config(run, dict(before, seed="1"), allowed=("optim.lr",))
+        check_resume_config(before, dict(before, seed="1"), allowed=("optim.lr",))
 
 
 def test_a_setting_added_since_the_run_started_does_not_block_its_resume(tmp_path: Path,
@@ -65,30 +60,14 @@ def test_a_setting_added_since_the_run_started_does_not_block_its_resume(tmp_pat
     assert defaults["rollout.startup_timeout"] == "600.0"
     assert "filter.p1" not in defaults  # plain mappings have no schema default
     now = training_config(dataclasses.asdict(conf))
-    run = tmp_path / "run"
-    run.mkdir()
     old = {k: v for k, v in now.items()
            if k not in ("rollout.async_steps", "rollout.startup_timeout")}
-    write_training_config(run, old)
     with pytest.raises(ValueError, match=r"rollout\.async_steps: <absent> -> 0"):
-        check_resume_config(run, now)  # without the defaults: as before
-    assert check_resume_config(run, now, defaults=defaults) == {}
+        check_resume_config(old, now)  # without the defaults: as before
+    assert check_resume_config(old, now, defaults=defaults) == {}
     changed = dict(now, **{"rollout.startup_timeout": "30.0"})
     with pytest.raises(ValueError, match=r"rollout.startup_timeout: <absent> -> 30.0"):
-        check_resume_config(run, changed, defaults=defaults)
-
-
-def test_a_resumed_copy_elsewhere_writes_to_its_own_job_folder(tmp_path: Path) -> None:
-    run = tmp_path / "outputs" / "tiny" / "2026"
-    (run / "checkpoints").mkdir(parents=True)
-    write_training_config(run, {"seed": "0"})
-    ckpt = run / "checkpoints" / "last.ckpt"
-    assert run_folder(ckpt, tmp_path / "job") == run
-    copied = tmp_path / "tmp" / "last.ckpt"  # a checkpoint copied to the temp folder
-    copied.parent.mkdir()
-    assert run_folder(copied, tmp_path / "job") == tmp_path / "job"
-    assert run_folder(None, tmp_path / "job") == tmp_path / "job"
-    assert (run / RESOLVED_CONFIG).is_file()
+        check_resume_config(old, changed, defaults=defaults)
 
 
 def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
@@ -121,5 +100,5 @@ def test_find_resume_verifies_the_checkpoint(tmp_path: Path, make_cfg) -> None:
     with pytest.raises(CheckpointError, match="is corrupt"):
         find_resume(conf)
     missing = to_train_config(make_cfg("experiment=tiny", f"resume={tmp_path / 'nope.ckpt'}"))
-    with pytest.raises(FileNotFoundError, match="resume: no checkpoint at"):
+    with pytest.raises(FileNotFoundError, match=r"^no checkpoint at"):
         find_resume(missing)
