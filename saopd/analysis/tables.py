@@ -85,7 +85,8 @@ def paired_recovery(scores: Mapping[str, Mapping[str, float]], *, base: str, con
 
     ``scores``: label -> seed -> score (e.g. final accuracy). The **harm** is
     ``control - base`` paired over the seeds both have (e.g. OPD from a clean teacher minus OPD
-    from a teacher with a harmful prior). For each label: ``pairs`` (seeds shared with ``base``),
+    from a teacher with a harmful prior); a NaN score (an evaluation that logged NaN) is no
+    score, so its seed is not paired. For each label: ``pairs`` (seeds shared with ``base``),
     ``diff`` = [mean, 95% half-width] of ``label - base`` over those seeds, ``recovered`` =
     ``diff`` divided by the harm's mean (the share of the harm the method recovers: 0 = none,
     1 = all, the interval scaled likewise, so it ignores the harm's own uncertainty), ``harm``
@@ -95,11 +96,17 @@ def paired_recovery(scores: Mapping[str, Mapping[str, float]], *, base: str, con
         KeyError: ``base`` is not a label of ``scores``.
     """
     base_scores = scores[base]
-    shared = [s for s in base_scores if s in scores.get(control, {})]
+
+    def paired(mine: Mapping[str, float]) -> list[str]:
+        """The seeds both have a score for (a NaN score is none: it pairs with nothing)."""
+        return [s for s in base_scores if s in mine
+                and not math.isnan(float(mine[s])) and not math.isnan(float(base_scores[s]))]
+
+    shared = paired(scores.get(control, {}))
     harm = mean_ci95([scores[control][s] - base_scores[s] for s in shared])
     out: dict[str, dict[str, Any]] = {}
     for label, mine in scores.items():
-        pairs = [s for s in base_scores if s in mine]
+        pairs = paired(mine)
         diff = mean_ci95([mine[s] - base_scores[s] for s in pairs])
         defined = bool(shared) and not math.isnan(harm[0]) and harm[0] != 0.0
         recovered = ([diff[0] / harm[0], diff[1] / abs(harm[0])] if defined
@@ -285,7 +292,7 @@ class ResultsTable:
         mean: index = row labels (references, then methods in table order), columns = the
             benchmark columns (their header labels) then :data:`AVG`; scaled scores.
         spread: same shape; std or 95% CI half-width over seeds (NaN with fewer than 2 runs).
-        n: runs (seeds) behind each row.
+        n: runs (seeds) behind each row: those with a value in every column (behind ``Avg.``).
         gain: ``Avg.`` minus the baseline's ``Avg.`` (NaN for the baseline, or without one).
         delta: per-column difference highlight - baseline (the ``Δ over OPD`` row), or None.
         references, methods: row labels by kind, in table order.
@@ -468,7 +475,8 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
     for run_id in values.index[incomplete]:
         lacks = [c for c in values.columns if pd.isna(values.at[run_id, c])]
         who = labels[run_id].removeprefix("\0ref:")
-        notes.append(f"run {run_id} ({who}) lacks {', '.join(lacks)}: no {AVG} for {who}.")
+        notes.append(f"run {run_id} ({who}) lacks {', '.join(lacks)} (not logged, or NaN): no "
+                     f"{AVG} for {who}, and the run is not counted in Seeds.")
     values[AVG] = per_run_avg
 
     method_labels = [lab for lab in labels if not lab.startswith("\0ref:")]
@@ -485,15 +493,18 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
     # a method's Avg. only when every one of its runs has every benchmark
     has_all = (~values.drop(columns=AVG).isna().any(axis=1)).groupby(labels, sort=False).all()
     mean.loc[~has_all.reindex(order, fill_value=False).astype(bool), AVG] = float("nan")
-    n = grouped.size().reindex(order)
+    # the runs behind each cell: a run without a value there (not logged, or NaN) is no seed
+    # of it; Seeds counts the runs with every value (those behind Avg.)
+    counts = values.notna().groupby(labels, sort=False).sum().reindex(order).fillna(0)
+    n = counts[AVG].astype(int)
     std = grouped.std(ddof=1).reindex(order)
     if spread == "ci95":
-        factor = pd.Series({lab: (t_quantile_975(int(k) - 1) / math.sqrt(k) if k > 1
-                                  else float("nan")) for lab, k in n.items()})
-        sp = std.mul(factor, axis=0)
+        factor = counts.map(lambda k: t_quantile_975(int(k) - 1) / math.sqrt(k) if k > 1
+                            else float("nan"))
+        sp = std * factor
     else:
         sp = std
-    sp = sp.where(n.reindex(sp.index) > 1)
+    sp = sp.where(counts > 1)
     sp.loc[mean[AVG].isna(), AVG] = float("nan")
 
     gain = pd.Series(float("nan"), index=order)
