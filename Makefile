@@ -87,12 +87,14 @@ bench-rollout: setup-vllm
 data: setup
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/dvc repro
 
-# ruff, the layer contract (import-linter, [tool.importlinter] in pyproject.toml) and no private
-# name imported across modules; tests/test_architecture.py runs the last two in `make test` too
+# ruff, the layer contract (import-linter, [tool.importlinter] in pyproject.toml), no private
+# name imported across modules and no file of saopd/ over 600 lines; tests/test_architecture.py
+# and tests/test_file_size.py run the last three in `make test` too
 lint: setup
 	$(VENV)/bin/ruff check saopd tests experiments tools
 	$(VENV)/bin/lint-imports
 	$(VPY) tools/check_private_imports.py
+	$(VPY) tools/check_file_size.py
 
 bench-filter: setup
 	$(VPY) experiments/benchmarks/filter_speed.py
