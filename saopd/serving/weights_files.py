@@ -85,7 +85,9 @@ def _load_cache() -> dict[str, Any]:
 
 
 def _save_cache(cache: Mapping[str, Any]) -> None:
+    """Write the cache, without the entries of files that no longer exist."""
     path = _cache_path()
+    cache = {name: entry for name, entry in cache.items() if os.path.exists(name)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".sha256-")

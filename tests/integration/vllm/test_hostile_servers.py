@@ -358,8 +358,11 @@ def test_reload_shards_are_checked_before_vllm_reads_them(tmp_path) -> None:
         check_reload_folder(index, reference, tied=True)
 
 
-def test_the_weights_fingerprint_tells_copies_from_other_checkpoints(tmp_path) -> None:
+def test_the_weights_fingerprint_tells_copies_from_other_checkpoints(tmp_path,
+                                                                    monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the digests' cache
 
     tok = tiny_tokenizer()
     a, b = tmp_path / "a", tmp_path / "b"
@@ -369,6 +372,9 @@ def test_the_weights_fingerprint_tells_copies_from_other_checkpoints(tmp_path) -
     copy.mkdir()
     (copy / "renamed.safetensors").write_bytes((a / "model.safetensors").read_bytes())
     first = weights_digest(str(a))
+    cached = json.loads((tmp_path / "cache" / "saopd" / "sha256.json").read_text())
+    assert cached[str((a / "model.safetensors").resolve())]["sha256"] == first.files[
+        "model.safetensors"]
     assert weights_digest(str(copy)).digest == first.digest
     assert weights_digest(str(b)).digest != first.digest
     assert first.files == {"model.safetensors": hashlib.sha256(
@@ -400,7 +406,8 @@ class _Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model, self.weights, self.log = model, weights, log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "XDG_CACHE_HOME": str(log.parent / "cache")}  # its digests' cache
         env.pop(API_KEY_ENV, None)
         argv = [sys.executable, "-m", "saopd.serve", "--model", str(model), "--port",
                 str(self.port), "--weights-dir", str(weights), *SERVER_ARGS]
@@ -535,13 +542,14 @@ def _engine(tok: Any, server: _Server, model: Any, **kw: Any) -> Any:
 
 
 @needs_vllm
-def test_a_teacher_server_must_serve_the_teacher(servers, tok) -> None:
+def test_a_teacher_server_must_serve_the_teacher(servers, tok, monkeypatch) -> None:
     from saopd.config.model import ModelConfig
     from saopd.config.teacher_scoring import TeacherScoringConfig
     from saopd.models.tiny import tiny_qwen3
     from saopd.scoring.teacher_service import TeacherServiceError, VLLMServerTeacherScorer
 
     a, root = servers["a"], servers["root"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the digests' cache
     conf = TeacherScoringConfig(backend="vllm_server", urls=[a.url],
                                 api_key_file=str(a.key_file), startup_timeout=60)
 
