@@ -28,11 +28,11 @@ import torch
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.contexts import ContextBuilder, TextContexts
 from saopd.contexts.batch import PairedContextBatch
+from saopd.data_parallel import all_reduce_sum, world_size
 from saopd.filters import FilterResult, TokenFilter
-from saopd.filters.distributed import batch_global_filter, world_size
+from saopd.filters.distributed import batch_global_filter
 from saopd.lightning.metrics import TrainMetrics
 from saopd.models.sharding import (
-    all_reduce_sum,
     enable_activation_checkpointing,
     no_backward_sync,
     shard_model,
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 
 
 FROZEN_PREFIXES = ("teacher.", "reference.")
-SCHEDULES = ("constant", "linear", "cosine")
 
 
 class OPDModule(L.LightningModule):

@@ -22,10 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 
-# lightning/module.py still imports all_reduce_sum from here; it moved to saopd.data_parallel
-# (issue 29): drop this line once that import is changed
-from saopd.data_parallel import all_reduce_sum  # noqa: F401
-
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks of a ``transformers`` model (its ``_no_split_modules``).
