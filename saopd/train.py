@@ -260,10 +260,8 @@ def _build_scorer(conf: TrainConfig, pair: ModelPair) -> TeacherScorer:
     """The teacher-scoring service of ``conf.teacher_scoring`` (``vllm`` | ``vllm_server``)."""
     ts = conf.teacher_scoring
     if ts.backend == "vllm_server":
-        return VLLMServerTeacherScorer(
-            ts.urls, tokenizer=pair.teacher_tokenizer, model=ts.model, top_k=ts.top_k,
-            request_timeout=ts.request_timeout, startup_timeout=ts.startup_timeout,
-            max_concurrent_requests=ts.max_concurrent_requests)
+        # checked against the teacher's config, tokenizer and weight files; the key file read
+        return VLLMServerTeacherScorer.from_config(ts, conf.teacher, pair.teacher_tokenizer)
     rollout_in_process = conf.rollout.engine == "vllm" and bool(
         getattr(conf.rollout, "in_process", False))
     if ts.in_process and rollout_in_process:

@@ -266,6 +266,18 @@ def test_vllm_server_trains_three_steps_and_a_dead_server_is_named(make_cfg, tmp
         for (f_a, loss_a), (f_b, loss_b) in zip(hf.steps, served.steps, strict=True):
             assert torch.equal(f_a, f_b)
             assert loss_a == pytest.approx(loss_b, abs=1e-4)
+        # issue 27: saopd-train refuses a server whose weights are not the configured teacher's
+        # (the same architecture and tokenizer, another checkpoint), naming both
+        other = tmp_path / "other_teacher"
+        tiny_qwen3(tiny_tokenizer(), layers=4, seed=3).save_pretrained(other)
+        tiny_tokenizer().save_pretrained(other)
+        from saopd.train import UserError
+
+        with pytest.raises(UserError, match=rf"^teacher_scoring: teacher server {url} serves the "
+                                            r"weights of .*SHA-256.*not those of the teacher"):
+            train(make_cfg(*COMMON, "teacher.tiny=null", f"teacher.name_or_path={other}",
+                           "teacher_scoring=vllm_server", f"teacher_scoring.urls=[{url}]",
+                           mlflow=False, tmp=tmp_path / "other"))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         tok = tiny_tokenizer()
