@@ -67,6 +67,7 @@ import torch
 
 from saopd.choices import LONG_PROMPT_MODES, SYNC_TRANSPORTS, VLLM_DTYPES
 from saopd.config.rollout import RolloutConfig, VLLMRolloutConfig
+from saopd.data_parallel import training_rank, training_world_size
 from saopd.models.vlm import check_engine_processor, save_processor_for_vllm, vision_special_ids
 from saopd.rollout.hf import default_stop_token_ids
 from saopd.rollout.registry import ENGINES, EngineSetup
@@ -98,7 +99,6 @@ from saopd.serving.vllm_runtime import (
     preserve_process_state,
     require_vllm,
     shutdown_llm,
-    training_rank,
 )
 from saopd.validation import check_choice, check_int, check_number
 
@@ -404,7 +404,7 @@ class VLLMEngine(VLLMSampling):
         (``colocated_tensor_parallel``: in process, vLLM's external launcher, started at first
         use); ``ValueError`` unless t divides the processes per node, or with
         ``async_steps``."""
-        processes = max(setup.training_processes, int(os.environ.get("WORLD_SIZE", "1") or 1))
+        processes = max(setup.training_processes, training_world_size())
         options = {name: getattr(conf, name) for name in ENGINE_OPTIONS}
         model_dir = conf.model_dir
         local_rank = None

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from saopd import data_parallel as dp
 from saopd.choices import LONG_PROMPT_MODES
 from saopd.config.rollout import VLLMServerRolloutConfig
 from saopd.prompts.render import render_prompt_ids
@@ -103,14 +104,6 @@ __all__ = ["VLLMServerEngine"]
 log = logging.getLogger(__name__)
 
 _DEFAULTS = VLLMServerRolloutConfig  # the engine's option defaults are the config schema's
-
-def _global_rank_world() -> tuple[int, int]:
-    """(global rank, world size) of the default process group, (0, 1) without one."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
 
 def _share_outcome(failure: BaseException | None, rank: int, world: int) -> str | None:
     """Rank 0's failure message (None = success) on every rank: a broadcast, so the ranks also
@@ -338,7 +331,7 @@ class VLLMServerEngine:
                                "data.max_prompt_length / max_new_tokens")
         for client in self.clients:
             client.check_identity(self._identity[client.url])
-        rank, _ = _global_rank_world()
+        rank = dp.rank()
         owners = [self.clients[(k + rank) % len(self.clients)] for k in range(len(kept))]
         for owner in owners:
             self.last_prompts_per_server[self.clients.index(owner)] += 1
@@ -412,7 +405,7 @@ class VLLMServerEngine:
         """
         started = time.perf_counter()
         items = checked_weights(named_tensors, self.expected_weights)
-        rank, world = _global_rank_world()
+        rank, world = dp.rank(), dp.world_size()
         sums: dict[str, float] = {}
         stream = iter_with_sums(items, self.weight_bucket_bytes, self.dtype,
                                 self._verify_names if self.verify_sync else (), sums)

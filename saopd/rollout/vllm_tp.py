@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
+from saopd.data_parallel import training_rank
 from saopd.rollout.base import Message, SamplingParams
-from saopd.serving.vllm_runtime import preserve_process_state, temporary_environ, training_rank
+from saopd.serving.vllm_runtime import preserve_process_state, temporary_environ
 from saopd.validation import check_int
 
 __all__ = [

@@ -47,7 +47,6 @@ __all__ = [
     "shutdown_llm",
     "size_cpu_kv_cache",
     "temporary_environ",
-    "training_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,22 +129,6 @@ def temporary_environ(env: Mapping[str, str | None]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def training_rank() -> tuple[int, int]:
-    """``(global rank, local rank)`` of this training process, from the launcher's variables
-    (``RANK`` / ``LOCAL_RANK``, Lightning's ``NODE_RANK``) or the initialised process group;
-    ``(0, 0)`` for the first process of a Lightning launch, before it starts the others."""
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), local
-    if os.environ.get("RANK"):
-        return int(os.environ["RANK"]), local
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    node = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")) or 0)
-    return (node * per_node + local if per_node else local), local
 
 
 def colocated_environ(local_rank: int) -> dict[str, str | None]:

@@ -204,7 +204,8 @@ def test_several_processes_share_tensor_parallel_engines(tmp_path: Path, tiny_to
 def test_a_colocated_engine_starts_in_a_clean_environment(monkeypatch) -> None:
     import os
 
-    from saopd.serving.vllm_runtime import LAUNCHER_VARIABLES, engine_environment, training_rank
+    from saopd.data_parallel import training_rank
+    from saopd.serving.vllm_runtime import LAUNCHER_VARIABLES, engine_environment
 
     for key in LAUNCHER_VARIABLES:
         monkeypatch.setenv(key, "7")
