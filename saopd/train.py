@@ -117,7 +117,11 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     run_config = training_config(dataclasses.asdict(conf))
     # the checkpoint (verified: checksum or stored digest, weights only, finite), its run folder
     # and whose it is: the run's own, a moved folder, a copy (a new run) or another run's
-    plan = _checked("resume", plan_run, conf, run_config)
+    # resume=auto in a sweep job continues its own folder only, never another job's run
+    plan = _checked("resume", plan_run, conf, run_config, own_folder_only=is_multirun())
+    if plan.checkpoint is not None:
+        log.info("resume (%s): %s at step %s, in %s", plan.how, plan.checkpoint, plan.step,
+                 plan.folder)
     out_dir = plan.folder
     out_dir.mkdir(parents=True, exist_ok=True)
     changes = (_checked("resume", check_resume_config, plan.recorded_config, run_config,

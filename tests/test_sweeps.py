@@ -91,3 +91,25 @@ def test_failed_job_is_recorded_and_the_parallel_sweep_goes_on(tmp_path: Path) -
         assert run.data.tags["study"] == "p1p2_grid"
         assert run.data.tags["sweep"] == str(sweep.resolve())
     assert "eval/gsm8k/avg_at_1" in by_job["0"].data.metrics  # the study's final evaluation
+
+
+@pytest.mark.parametrize(("launcher", "experiment", "expected"), [
+    ("slurm", "math_qwen3_4b_to_1p7b", {"gpus_per_node": 1, "tasks_per_node": 1,
+                                        "cpus_per_task": 8, "mem_gb": 64, "timeout_min": 1440}),
+    ("slurm_local", "tiny", {"gpus_per_node": 0, "cpus_per_task": 1, "mem_gb": 4,
+                             "timeout_min": 15}),
+])
+def test_a_cluster_launcher_asks_for_the_experiments_resources(launcher: str, experiment: str,
+                                                               expected: dict) -> None:
+    cfg = _compose(f"hydra/launcher={launcher}", f"experiment={experiment}")
+    got = cfg.hydra.launcher
+    assert {k: got[k] for k in expected} == expected
+    assert got._target_.startswith("hydra_plugins.saopd_launchers.")
+    cfg = _compose(f"hydra/launcher={launcher}", f"experiment={experiment}",
+                   "resources.timeout_min=5")
+    assert cfg.hydra.launcher.timeout_min == 5
+
+
+def test_the_ray_launcher_asks_for_the_experiments_resources() -> None:
+    cfg = _compose("hydra/launcher=ray_cluster", "experiment=math_qwen3_4b_to_1p7b")
+    assert dict(cfg.hydra.launcher.ray.remote) == {"num_cpus": 8, "num_gpus": 1, "max_calls": 1}

@@ -287,8 +287,9 @@ def run_seeds(runs: pd.DataFrame) -> pd.Series:
 NOT_HYPERPARAMETERS = ("seed", "step.seed", "resume", "resume_changes", "experiment_name", "study",
                        "method")
 NOT_HYPERPARAMETER_PREFIXES = (
-    "paths.", "logger.", "eval.", "hydra.", "trainer.progress_bar", "trainer.view_every_n_steps",
-    "trainer.checkpoint_every_n_steps", "trainer.keep_all_checkpoints",
+    "paths.", "logger.", "eval.", "hydra.", "resources.", "trainer.progress_bar",
+    "trainer.view_every_n_steps", "trainer.checkpoint_every_n_steps",
+    "trainer.keep_all_checkpoints",
     # where and on how many devices a step runs: the data-parallel step equals one process's
     "trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy",
     "trainer.process_group_backend", "trainer.activation_checkpointing", "trainer.threads",

@@ -14,7 +14,7 @@ from saopd.config.data import DataConfig
 from saopd.config.eval import EvalConfig, EvalDuringTrainingConfig
 from saopd.config.model import ModelConfig, PlantedConfig
 from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
-from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
+from saopd.config.run import LoggerConfig, PathsConfig, ResourcesConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.config.train import (
@@ -36,6 +36,7 @@ __all__ = [
     "OptimConfig",
     "PathsConfig",
     "PlantedConfig",
+    "ResourcesConfig",
     "RolloutConfig",
     "StepConfig",
     "TeacherScoringConfig",

@@ -94,6 +94,38 @@ class LoggerConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """What one job asks a cluster launcher for (``conf/hydra/launcher/``: ``submitit_slurm``,
+    ``submitit_local``, ``ray``); each experiment sets its own. Not read by training itself, and
+    not a hyperparameter (a resumed run may change it).
+
+    Attributes:
+        nodes: nodes per job.
+        tasks_per_node: processes per node (one per GPU under Lightning's DDP/FSDP on SLURM:
+            match ``trainer.devices``).
+        gpus_per_node: GPUs per node (0 on CPU).
+        cpus_per_task: CPU cores per process.
+        mem_gb: memory per node, in GB.
+        timeout_min: the job's time limit in minutes; SLURM (through submitit) signals the job
+            ``signal_delay_s`` before it, the job saves its step and is requeued.
+    """
+
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 2
+    mem_gb: int = 8
+    timeout_min: int = 60
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "tasks_per_node", "cpus_per_task"):
+            check_int(name, getattr(self, name), owner="resources")
+        check_int("gpus_per_node", self.gpus_per_node, owner="resources", minimum=0)
+        check_int("mem_gb", self.mem_gb, owner="resources")
+        check_int("timeout_min", self.timeout_min, owner="resources")
+
+
+@dataclass
 class PathsConfig:
     """Where things go. ``root``: the repository (data and the MLflow store); ``output_dir``:
     this run's folder (checkpoints, token views, the resolved config)."""

@@ -15,7 +15,7 @@ from saopd.config.data import DataConfig
 from saopd.config.eval import EvalConfig, EvalDuringTrainingConfig
 from saopd.config.model import ModelConfig
 from saopd.config.rollout import RolloutConfig
-from saopd.config.run import LoggerConfig, PathsConfig, TrainerConfig
+from saopd.config.run import LoggerConfig, PathsConfig, ResourcesConfig, TrainerConfig
 from saopd.config.step import OptimConfig, StepConfig
 from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.validation import check_choice, check_int
@@ -55,9 +55,11 @@ class TrainConfig:
         seed: seeds model init, prompt order, sampling and the random filter.
         steps: optimizer steps (one rollout batch each).
         prompts_per_step: prompts per step (x ``rollout.n`` responses).
-        resume: null (fresh run), ``auto`` (the latest ``last.ckpt`` of this experiment, if
-            any) or a checkpoint path; resuming continues the same MLflow run. A resume whose
-            training config differs from the run's is refused, naming the keys.
+        resume: null (fresh run), ``auto`` (this job's own folder's ``last.ckpt``, else the
+            latest of this experiment, if any; in a sweep job only its own), a run folder or a
+            checkpoint path; resuming continues the same MLflow run (a copied folder, or another
+            run's checkpoint, starts a new one: docs/runs.md). A resume whose training config
+            differs from the checkpoint's is refused, naming the keys.
         resume_changes: keys a resume may change on purpose (``resume_changes=[optim.lr]``);
             each change is recorded in the run folder and on the MLflow run.
         student, teacher: the two models (``conf/model/*.yaml`` via ``model@student`` /
@@ -79,6 +81,8 @@ class TrainConfig:
             teacher scored are run params (``teacher_contexts.pair_kind``,
             ``teacher_contexts.scored``) and in ``summary.json``.
         data, trainer, logger, optim, step, eval, paths: see their dataclasses.
+        resources: what one job asks a cluster launcher for (GPUs, CPUs, memory, time;
+            :class:`~saopd.config.run.ResourcesConfig`).
     """
 
     student: ModelConfig = MISSING
@@ -95,6 +99,7 @@ class TrainConfig:
     step: StepConfig = field(default_factory=StepConfig)
     eval: EvalDuringTrainingConfig = field(default_factory=EvalDuringTrainingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     experiment_name: str = "default"
     study: str | None = None
     method: str | None = None

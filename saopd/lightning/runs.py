@@ -43,6 +43,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +52,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from filelock import FileLock, Timeout
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from saopd.analysis.runs import is_hyperparameter
@@ -62,8 +64,9 @@ from saopd.lightning.checkpoints import read_checkpoint
 __all__ = ["ACTIVATION_LIMIT", "CHECKPOINT_IDENTITY_KEY", "RESOLVED_CONFIG", "RUN_RECORD",
            "FiniteGuard", "NonFiniteError", "PreemptionCheckpoint", "RunBusyError", "RunIdentity",
            "RunIdentityCallback", "RunLock", "RunPlan", "check_resume_config", "claimed_by",
-           "config_digest", "find_resume", "plan_run", "read_run_record", "schema_defaults",
-           "training_config", "write_run_record", "write_training_config"]
+           "config_digest", "find_resume", "plan_run", "preemption_requested", "read_run_record",
+           "request_preemption", "schema_defaults", "training_config", "write_run_record",
+           "write_training_config"]
 
 log = logging.getLogger(__name__)
 
@@ -75,20 +78,37 @@ RUN_RECORD = "saopd_run.json"
 CHECKPOINT_IDENTITY_KEY = "saopd_run"
 
 
-def find_resume(conf: TrainConfig) -> Path | None:
+def find_resume(conf: TrainConfig, *, own_folder_only: bool = False) -> Path | None:
     """The checkpoint ``conf.resume`` names, verified, or None for a fresh run.
 
-    ``auto``: the newest ``last.ckpt`` under ``<root>/outputs/<experiment_name>`` (None when
-    there is none); a folder: its ``checkpoints/last.ckpt``; else a checkpoint file. The file is
+    ``auto``: this job's own folder's ``last.ckpt`` (``paths.output_dir``: a requeued cluster
+    job, or a run started again in its folder), else the newest ``last.ckpt`` under
+    ``<root>/outputs/<experiment_name>`` (None when there is none; never with
+    ``own_folder_only``, as in a sweep job, where another run's would be wrong); a folder: its
+    ``checkpoints/last.ckpt``; else a checkpoint file. The file is
     read and verified (:func:`saopd.lightning.checkpoints.read_checkpoint`, tensors mapped, not
     loaded). Raises ``FileNotFoundError`` / ``CheckpointError`` naming the path (a dangling
     ``last.ckpt`` names the file it pointed to).
     """
+    path = _resume_path(conf, own_folder_only)
+    if path is not None:
+        read_checkpoint(path, mmap=True)  # FileNotFoundError / CheckpointError naming the path
+    return path
+
+
+def _resume_path(conf: TrainConfig, own_folder_only: bool) -> Path | None:
+    """The checkpoint file ``conf.resume`` names (:func:`find_resume`), not yet read."""
     if conf.resume in (None, "", "none"):
         return None
     if conf.resume == "auto":
+        own = Path(conf.paths.output_dir) / "checkpoints" / "last.ckpt"
         runs = Path(conf.paths.root) / "outputs" / conf.experiment_name
-        found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda p: p.lstat().st_mtime)
+        if own.is_symlink() or own.exists():
+            found = [own]
+        elif own_folder_only:
+            found = []
+        else:
+            found = sorted(runs.glob("*/checkpoints/last.ckpt"), key=lambda p: p.lstat().st_mtime)
         if not found:
             log.info("resume=auto: no checkpoint under %s, starting fresh", runs)
             return None
@@ -97,7 +117,6 @@ def find_resume(conf: TrainConfig) -> Path | None:
         path = Path(conf.resume)
         if path.is_dir():
             path = path / "checkpoints" / "last.ckpt"
-    read_checkpoint(path, mmap=True)  # FileNotFoundError / CheckpointError naming the path
     return path
 
 
@@ -199,6 +218,7 @@ class RunPlan:
             (a folder or checkpoint written before identities: continued unchecked).
         recorded_config: the training config that trained the checkpoint (None: unknown).
         config_source: where ``recorded_config`` was read (for messages).
+        step: the checkpoint's step (None: a fresh run).
     """
 
     checkpoint: Path | None
@@ -207,6 +227,7 @@ class RunPlan:
     how: Literal["new", "resume", "moved", "copied", "from_checkpoint", "legacy"]
     recorded_config: dict[str, str] | None = None
     config_source: str = ""
+    step: int | None = None
 
     @property
     def continues_mlflow_run(self) -> bool:
@@ -238,19 +259,30 @@ def _recorded_config(folder: Path | None) -> dict[str, str] | None:
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
-def plan_run(conf: TrainConfig, config: Mapping[str, str]) -> RunPlan:
+def plan_run(conf: TrainConfig, config: Mapping[str, str], *,
+             own_folder_only: bool = False) -> RunPlan:
     """Where and as whom this run trains (see the module docstring): the checkpoint of
-    ``conf.resume`` (:func:`find_resume`), its run folder and identity, and the config that
-    trained it. ``config``: this run's training config (:func:`training_config`).
+    ``conf.resume`` (:func:`find_resume`), its run folder and identity, the config that trained
+    it and its step. ``config``: this run's training config (:func:`training_config`);
+    ``own_folder_only``: see :func:`find_resume`.
 
     Raises ``ValueError`` for another run's checkpoint behind a folder's ``last.ckpt`` (not
     named as a file), and what :func:`find_resume` raises.
     """
     output_dir = Path(conf.paths.output_dir).absolute()
-    ckpt = find_resume(conf)
+    ckpt = _resume_path(conf, own_folder_only)
     if ckpt is None:
         return RunPlan(None, output_dir, RunIdentity.new(output_dir, config), "new")
-    state = read_checkpoint(ckpt, mmap=True)
+    state = read_checkpoint(ckpt, mmap=True)  # verified once here, once when Lightning loads it
+    plan = _plan_resume(conf, config, ckpt, state)
+    plan.step = int(state.get("global_step", 0))
+    return plan
+
+
+def _plan_resume(conf: TrainConfig, config: Mapping[str, str], ckpt: Path,
+                 state: Mapping[str, Any]) -> RunPlan:
+    """:func:`plan_run` for a resume from ``ckpt`` (its contents ``state``)."""
+    output_dir = Path(conf.paths.output_dir).absolute()
     stored = state.get(CHECKPOINT_IDENTITY_KEY)
     theirs = RunIdentity.from_dict(stored) if isinstance(stored, Mapping) else None
     their_config = (dict(stored["config"]) if isinstance(stored, Mapping)
@@ -442,9 +474,25 @@ class RunLock:
         self.release()
 
 
+_PREEMPTED = threading.Event()
+
+
+def request_preemption() -> None:
+    """Mark this process's run preempted: :class:`PreemptionCheckpoint` saves the step in
+    progress when it ends and stops the loop (a cluster launcher's signal handler calls this,
+    e.g. ``hydra_plugins.saopd_launchers``)."""
+    _PREEMPTED.set()
+
+
+def preemption_requested() -> bool:
+    """Whether :func:`request_preemption` was called in this process."""
+    return _PREEMPTED.is_set()
+
+
 class PreemptionCheckpoint(L.Callback):
-    """On SIGTERM, save the step that just finished as ``<dirpath>/last.ckpt`` (Lightning then
-    stops the loop with ``SIGTERMException``), so a preempted job resumes where it stopped."""
+    """On SIGTERM (what schedulers send before preemption) or :func:`request_preemption`, save
+    the step that just finished as ``<dirpath>/last.ckpt`` and stop the loop (Lightning's
+    ``SIGTERMException``), so a preempted job resumes where it stopped."""
 
     def __init__(self, dirpath: Path) -> None:
         self.dirpath = Path(dirpath)
@@ -452,10 +500,14 @@ class PreemptionCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if getattr(trainer, "received_sigterm", False) and self.saved is None:
+        sigterm = bool(getattr(trainer, "received_sigterm", False))
+        if (sigterm or preemption_requested()) and self.saved is None:
             self.saved = self.dirpath / "last.ckpt"
             trainer.save_checkpoint(self.saved)
-            log.warning("SIGTERM: saved step %d to %s", trainer.global_step, self.saved)
+            log.warning("preempted: saved step %d to %s", trainer.global_step, self.saved)
+            # Lightning stops the loop itself after a SIGTERM; a finished run just ends
+            if not sigterm and trainer.global_step < (trainer.max_steps or 0):
+                raise SIGTERMException
 
 
 class NonFiniteError(ValueError):

@@ -13,10 +13,11 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from saopd.config.train import TrainConfig
-from saopd.lightning.checkpoints import VerifiedCheckpointIO
+from saopd.lightning.checkpoints import CHECKSUM_SUFFIX, VerifiedCheckpointIO
 from saopd.rollout.registry import num_training_processes
 
 __all__ = ["RunCheckpoint", "build_trainer", "checkpoint_callback", "data_parallel_size",
@@ -92,6 +93,15 @@ class RunCheckpoint(ModelCheckpoint):
                                             (state_dict.get("best_k_models") or {}).items()}}
         super().load_state_dict(state_dict)
 
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        """Lightning's link, and the sidecar of a file it replaces removed (``last.ckpt`` is a
+        file after a preemption; the link's checksum is its target's)."""
+        if trainer.is_global_zero and Path(linkpath).is_file() \
+                and not Path(linkpath).is_symlink():
+            Path(linkpath + CHECKSUM_SUFFIX).unlink(missing_ok=True)
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+
 
 def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
     """``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps`` and ``last.ckpt``, a link
@@ -109,13 +119,18 @@ def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
                   callbacks: list[L.Callback]) -> L.Trainer:
     """The run's ``Trainer``: ``conf.steps`` optimizer steps, one rollout batch each, logging
     every step, no validation loop; the prompt loader splits each step's batch by rank itself;
-    checkpoints written atomically, checksummed and finite (:mod:`saopd.lightning.checkpoints`)."""
+    checkpoints written atomically, checksummed and finite (:mod:`saopd.lightning.checkpoints`).
+    Under SLURM, Lightning's own requeue on ``SIGUSR1`` is off: saopd's cluster launchers save
+    and requeue a preempted job (``hydra_plugins.saopd_launchers``)."""
     t = conf.trainer
+    plugins: list[Any] = [VerifiedCheckpointIO()]
+    if SLURMEnvironment.detect():  # the launcher requeues; Lightning's would save elsewhere
+        plugins.append(SLURMEnvironment(auto_requeue=False))
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=strategy(conf), precision=t.precision, max_steps=conf.steps, logger=loggers,
         callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
         enable_progress_bar=t.progress_bar, enable_model_summary=False,
         default_root_dir=str(out_dir), use_distributed_sampler=False,
-        plugins=[VerifiedCheckpointIO()],
+        plugins=plugins,
     )

@@ -1,0 +1,122 @@
+"""Sweeps through Hydra's cluster launchers, for real on this CPU (issue 28, item 1):
+``hydra/launcher=slurm_local`` (submitit's local executor: the SLURM launcher's code path) and
+``hydra/launcher=ray_cluster`` (a local Ray cluster), each running two ``experiment=tiny`` jobs
+started from another directory, one of them failing; and a job preempted with the signal SLURM
+sends through submitit, requeued, resuming its step into the same MLflow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from saopd.lightning.checkpoints import read_checkpoint
+from saopd.sweeps import read_jobs
+
+pytestmark = pytest.mark.slow
+
+TRAIN = str(Path(sys.executable).with_name("saopd-train"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _sweep(tmp: Path, *overrides: str) -> list[str]:
+    return [TRAIN, "-m", "experiment=tiny", "trainer.view_every_n_steps=0",
+            f"hydra.sweep.dir={tmp / 'sweep'}", f"logger.tracking_uri=sqlite:///{tmp / 'm.db'}",
+            *overrides]
+
+
+def _runs(tmp: Path) -> list:
+    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'm.db'}")
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def _check_one_ok_one_failed(tmp: Path, proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the sweep ran, and says it was not clean
+    assert "1 of 2 sweep jobs failed" in proc.stderr
+    jobs = read_jobs(tmp / "sweep")
+    assert [j["status"] for j in jobs] == ["ok", "failed"]
+    assert "p1 must be in [0, 1], got 1.5" in jobs[1]["error"]
+    summary = json.loads((tmp / "sweep" / "sweep_summary.json").read_text())
+    assert (summary["jobs"], summary["failed"]) == (2, 1)
+    assert json.loads((tmp / "sweep" / "1" / "FAILED.json").read_text())["error_type"] == \
+        "UserError"
+    by_job = {r.data.tags["sweep_job"]: r for r in _runs(tmp)}
+    assert by_job["0"].info.status == "FINISHED" and by_job["1"].info.status == "FAILED"
+    assert read_checkpoint(tmp / "sweep" / "0" / "checkpoints" / "last.ckpt")["global_step"] == 1
+
+
+def test_two_jobs_through_the_slurm_launchers_local_path(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(
+        _sweep(tmp_path, "hydra/launcher=slurm_local", "steps=1", "filter.p1=0.2,1.5"),
+        cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=900)
+    _check_one_ok_one_failed(tmp_path, proc)
+    assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
+    assert list((tmp_path / "sweep" / ".submitit").iterdir())  # the jobs went through submitit
+    assert not list(elsewhere.iterdir())  # nothing written where it was started
+
+
+def test_two_jobs_on_a_local_ray_cluster(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="the Ray launcher is the [ray] extra (make setup has it)")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = subprocess.run(
+        _sweep(tmp_path, "hydra/launcher=ray_cluster", "+hydra.launcher.ray.init.num_cpus=2",
+               "steps=1", "filter.p1=0.2,1.5"),
+        cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=900)
+    _check_one_ok_one_failed(tmp_path, proc)
+    assert "Ray Launcher is launching 2 jobs" in proc.stdout + proc.stderr
+    assert not list(elsewhere.iterdir())
+
+
+def _job_process(sweep: Path) -> int | None:
+    """The pid of the submitit task that runs the sweep's job (what SLURM would signal)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmd and any(str(sweep).encode() in c for c in cmd):
+            return int(pid)
+    return None
+
+
+def test_a_preempted_job_is_requeued_and_resumes_its_step(tmp_path: Path) -> None:
+    steps = 60
+    job = tmp_path / "sweep" / "0"
+    proc = subprocess.Popen(_sweep(tmp_path, "hydra/launcher=slurm_local", f"steps={steps}"),
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None and not list(
+                (job / "checkpoints").glob("step_*.ckpt")):
+            time.sleep(0.2)
+        pid = _job_process(tmp_path / "sweep")
+        assert pid is not None and proc.poll() is None, "the job ended before it was signalled"
+        os.kill(pid, signal.SIGUSR2)  # SLURM's signal before a time limit or a preemption
+        _, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    log = (job / "train.log").read_text()
+    saved = int(log.split("preempted: saved step ", 1)[1].split()[0])
+    assert 0 < saved < steps
+    assert f"resume (resume): {job / 'checkpoints' / 'last.ckpt'} at step {saved}" in log
+    assert read_jobs(tmp_path / "sweep")[0]["status"] == "ok"
+    (run,) = _runs(tmp_path)  # one MLflow run: the requeued job went on in it
+    assert run.info.status == "FINISHED"
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    logged = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(logged) == list(range(steps))  # every step once
+    assert read_checkpoint(job / "checkpoints" / "last.ckpt")["global_step"] == steps
+    assert sorted(p.name for p in (job / "checkpoints").iterdir()) == [
+        "last.ckpt", f"step_{steps:06d}.ckpt", f"step_{steps:06d}.ckpt.sha256"]
