@@ -36,7 +36,7 @@ from saopd.eval.benchmarks import BENCHMARKS
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
 from saopd.lightning.checkpoints import read_checkpoint
-from saopd.lightning.runs import CHECKPOINT_IDENTITY_KEY
+from saopd.lightning.resume import CHECKPOINT_IDENTITY_KEY
 from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root

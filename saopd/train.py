@@ -37,21 +37,23 @@ from saopd.filters import build_filter
 from saopd.lightning.callbacks import EvalCallback, RolloutCallback, TokenViewCallback
 from saopd.lightning.data import PromptDataModule
 from saopd.lightning.module import OPDModule
-from saopd.lightning.runs import (
+from saopd.lightning.resume import (
     RUN_RECORD,
-    FiniteGuard,
-    NonFiniteError,
-    PreemptionCheckpoint,
     RunIdentityCallback,
-    RunLock,
     RunPlan,
-    check_resume_config,
     claimed_by,
     config_digest,
     plan_run,
+    write_run_record,
+)
+from saopd.lightning.runs import (
+    FiniteGuard,
+    NonFiniteError,
+    PreemptionCheckpoint,
+    RunLock,
+    check_resume_config,
     schema_defaults,
     training_config,
-    write_run_record,
     write_training_config,
 )
 from saopd.lightning.trainer import build_trainer, checkpoint_callback

@@ -22,7 +22,7 @@ import torch
 
 import saopd.lightning.checkpoints as checkpoints
 from saopd.lightning.checkpoints import CheckpointError, read_checkpoint
-from saopd.lightning.runs import RUN_RECORD, read_run_record
+from saopd.lightning.resume import RUN_RECORD, read_run_record
 from saopd.tracking import FOLDER_TAG, RUN_UID_TAG, store_lock_timeout
 from saopd.train import UserError, train
 from tests.conftest import REPO

@@ -90,7 +90,7 @@ def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
 
 def test_find_resume_verifies_the_checkpoint(tmp_path: Path, make_cfg) -> None:
     from saopd.config import to_train_config
-    from saopd.lightning.runs import find_resume
+    from saopd.lightning.resume import find_resume
 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     VerifiedCheckpointIO().save_checkpoint({"state_dict": {}, "global_step": 1}, ckpt)
