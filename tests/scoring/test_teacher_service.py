@@ -44,6 +44,7 @@ from saopd.scoring.teacher_service import (
     check_servable,
     unservable,
 )
+from saopd.serving.weights_files import weights_digest
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PROMPTS = ["Alice has 3 apples and buys 2 more books.", "Bob sells 7 marbles to Maria.", "hi"]
@@ -55,8 +56,11 @@ class FakeTeacherServer:
     the prompt token and the top ``prompt_logprobs`` per position; JSON keys are strings)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "teacher",
-                 max_model_len: int = 512) -> None:
+                 max_model_len: int = 512, folder: Path | None = None) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
+        # the folder the model was saved to: what saopd-serve's worker answers for the trainer's
+        # identity check (saopd_server_info: its config; saopd_server_weights_digest)
+        self.folder = folder
         self.max_model_len = max_model_len
         self.requests: list[dict[str, Any]] = []
         self.fail_with: int | None = None  # answer every completion with this HTTP status
@@ -90,6 +94,9 @@ class FakeTeacherServer:
                     ids = fake.tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]
                     self._send(200, {"tokens": list(ids)})
                     return
+                if self.path == "/collective_rpc" and fake.folder is not None:
+                    self._send(200, {"results": [fake.rpc(body["method"])]})
+                    return
                 if fake.fail_with is not None:
                     self._send(fake.fail_with, {"error": {"message": "engine dead"}})
                     return
@@ -103,6 +110,17 @@ class FakeTeacherServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
+
+    def rpc(self, method: str) -> dict[str, Any]:
+        """saopd-serve's identity answers for the model saved in :attr:`folder`."""
+        assert self.folder is not None
+        if method == "saopd_server_info":
+            config = json.loads((self.folder / "config.json").read_text())
+            return {"model": str(self.folder), "config": config}
+        if method == "saopd_server_weights_digest":
+            digest = weights_digest(str(self.folder))
+            return {"digest": digest.digest, "source": digest.source}
+        return {"error": f"no method {method}"}
 
     @torch.no_grad()
     def choice(self, index: int, ids: list[int], k: int) -> dict[str, Any]:
@@ -415,7 +433,7 @@ def test_training_against_a_server_takes_the_hf_steps(make_cfg, tmp_path) -> Non
               f"teacher.name_or_path={folder}"]
     hf = _Record()
     train(make_cfg(*common, mlflow=False, tmp=tmp_path / "hf"), extra_callbacks=[hf.callback])
-    fake = FakeTeacherServer(model.eval(), tok)
+    fake = FakeTeacherServer(model.eval(), tok, folder=folder)
     try:
         served = _Record()
         train(make_cfg(*common, "teacher_scoring=vllm_server",
@@ -428,6 +446,32 @@ def test_training_against_a_server_takes_the_hf_steps(make_cfg, tmp_path) -> Non
     for (f_a, loss_a), (f_b, loss_b) in zip(hf.steps, served.steps, strict=True):
         assert torch.equal(f_a, f_b)
         assert loss_a == pytest.approx(loss_b, abs=1e-5)
+
+
+def test_training_refuses_a_server_of_another_checkpoint(make_cfg, tmp_path) -> None:
+    """issue 27: saopd-train checks the served weights against the teacher's files before the
+    first step: a server of another checkpoint of the same shape (and tokenizer) is refused,
+    naming both; the same server of the teacher's own folder is accepted (the test above)."""
+    from saopd.train import UserError, train
+
+    tok = tiny_tokenizer()
+    folders = {}
+    for name, seed in (("teacher", 2), ("other", 3)):
+        folders[name] = tmp_path / name
+        tiny_qwen3(tok, layers=4, seed=seed).save_pretrained(folders[name])
+        tok.save_pretrained(folders[name])
+    fake = FakeTeacherServer(tiny_qwen3(tok, layers=4, seed=3).eval(), tok,
+                             folder=folders["other"])
+    try:
+        with pytest.raises(UserError, match=rf"^teacher_scoring: teacher server {fake.url} serves "
+                                            r"the weights of .*other.*not those of the teacher"):
+            train(make_cfg("experiment=tiny", "steps=1", "teacher.tiny=null",
+                           f"teacher.name_or_path={folders['teacher']}",
+                           "teacher_scoring=vllm_server", f"teacher_scoring.urls=[{fake.url}]",
+                           mlflow=False, tmp=tmp_path / "run"))
+        assert fake.requests == []  # refused before any scoring request
+    finally:
+        fake.close()
 
 
 @pytest.mark.parametrize(("override", "match"), [
@@ -458,7 +502,7 @@ def test_a_server_that_dies_mid_run_stops_training_naming_it(make_cfg, tmp_path)
     model = tiny_qwen3(tok, layers=4, seed=2)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    fake = FakeTeacherServer(model.eval(), tok)
+    fake = FakeTeacherServer(model.eval(), tok, folder=folder)
     import lightning as L
 
     class Kill(L.Callback):
