@@ -3,7 +3,7 @@
     make mlflow-server                                      # 127.0.0.1:5000, the repository's store
     make mlflow-server MLFLOW_PORT=5001 MLFLOW_HOST=0.0.0.0 # reachable from the cluster's nodes
     python -m saopd.tracking_server --backend-store-uri postgresql://user@db/mlflow
-    saopd-train -m seed=0,1,2 hydra/launcher=submitit_slurm logger.tracking_uri=http://<host>:5000
+    saopd-train -m seed=0,1,2 hydra/launcher=slurm logger.tracking_uri=http://<host>:5000
     saopd-report --tracking-uri http://<host>:5000 -e testbed
 
 Why a server. ``saopd-train`` logs to a SQLite file (``sqlite:///<repo>/mlflow.db``) by default,
@@ -25,9 +25,10 @@ file system, which a cluster's jobs have anyway for the code and data.
 
 Which launchers need it. :class:`StoreCheck` (a Hydra callback of ``conf/train.yaml``) refuses,
 before any job is submitted, a sweep whose launcher runs jobs on several nodes
-(``hydra/launcher=submitit_slurm``, a Ray launcher connected to a cluster's address) while runs
+(``hydra/launcher=slurm``, ``hydra/launcher=ray_cluster`` connected to a cluster's address)
+while runs
 log to a ``sqlite:`` store, and says what to do instead (:func:`sqlite_refusal`). Local
-launchers (basic, joblib, ``submitit_local``, Ray on a local cluster) keep the SQLite default.
+launchers (basic, joblib, ``slurm_local``, Ray on a local cluster) keep the SQLite default.
 
 The server's address is bound to 127.0.0.1 unless ``--host`` says otherwise: MLflow's server
 has no authentication by default, so open it to a cluster's network only (``--host 0.0.0.0``),
@@ -220,15 +221,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 def multi_node_launcher(launcher: Mapping[str, Any]) -> str | None:
     """What makes Hydra launcher config ``launcher`` run jobs on several nodes, or None.
 
-    SLURM (``hydra/launcher=submitit_slurm``) always may; a Ray launcher when it connects to a
+    SLURM (``hydra/launcher=slurm``) always may; a Ray launcher when it connects to a
     cluster (``ray.init.address`` set, e.g. ``auto`` or ``ray://head:10001``; null or ``local``
     starts a cluster on this machine) or starts one on cloud machines (Ray's AWS launcher).
-    ``submitit_local``, joblib and the basic launcher run on this machine.
+    ``slurm_local``, joblib and the basic launcher run on this machine.
     """
     target = str(launcher.get("_target_", ""))
     cls = target.rsplit(".", 1)[-1]
     if "Slurm" in cls:
-        return f"{cls} (hydra/launcher=submitit_slurm) runs jobs on the cluster's nodes"
+        return f"{cls} (hydra/launcher=slurm) runs jobs on the cluster's nodes"
     if cls.startswith("Ray"):
         if "AWS" in cls:
             return f"{cls} runs jobs on cloud machines"

@@ -95,9 +95,9 @@ class LoggerConfig:
 
 @dataclass
 class ResourcesConfig:
-    """What one job asks a cluster launcher for (``conf/hydra/launcher/``: ``submitit_slurm``,
-    ``submitit_local``, ``ray``); each experiment sets its own. Not read by training itself, and
-    not a hyperparameter (a resumed run may change it).
+    """What one job asks a cluster launcher for (``conf/hydra/launcher/``: ``slurm``,
+    ``slurm_local``, ``ray_cluster``); each experiment sets its own. Not read by training
+    itself, and not a hyperparameter (a resumed run may change it).
 
     Attributes:
         nodes: nodes per job.

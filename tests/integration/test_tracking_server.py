@@ -109,7 +109,7 @@ def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
 
 def test_sqlite_is_refused_for_launchers_on_several_nodes() -> None:
     store = "sqlite:////shared/repo/mlflow.db"
-    assert "submitit_slurm" in sqlite_refusal(store, {"_target_": SLURM})
+    assert "hydra/launcher=slurm" in sqlite_refusal(store, {"_target_": SLURM})
     assert "ray.init.address=auto" in sqlite_refusal(
         store, {"_target_": RAY, "ray": {"init": {"address": "auto"}}})
     # launchers on this machine keep SQLite; a server or a database is never refused
