@@ -1,17 +1,20 @@
 """Sweeps through Hydra's cluster launchers, for real on this CPU (issue 28, item 1):
 ``hydra/launcher=slurm_local`` (submitit's local executor: the SLURM launcher's code path) and
 ``hydra/launcher=ray_cluster`` (a local Ray cluster), each running two ``experiment=tiny`` jobs
-started from another directory, one of them failing; and a job preempted with the signal SLURM
-sends through submitit, requeued, resuming its step into the same MLflow run."""
+started from another directory, one of them failing, both logging to a real MLflow tracking
+server (``saopd.tracking_server``, as jobs on other nodes would); and a job preempted with
+the signal SLURM sends through submitit, requeued, resuming its step into the same MLflow run."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
@@ -19,6 +22,7 @@ import pytest
 
 from saopd.lightning.checkpoints import read_checkpoint
 from saopd.sweeps import read_jobs
+from saopd.tracking_server import start_server
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +30,42 @@ TRAIN = str(Path(sys.executable).with_name("saopd-train"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _sweep(tmp: Path, *overrides: str) -> list[str]:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A tracking server on 127.0.0.1 over a fresh store: the launchers' jobs log through it."""
+    folder = tmp_path_factory.mktemp("server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
+                           artifacts_destination=folder / "artifacts", port=port, workers=1,
+                           log_file=folder / "server.log")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _uri(tmp: Path, server: str | None) -> str:
+    return server or f"sqlite:///{tmp / 'm.db'}"
+
+
+def _sweep(tmp: Path, *overrides: str, server: str | None = None) -> list[str]:
     return [TRAIN, "-m", "experiment=tiny", "trainer.view_every_n_steps=0",
-            f"hydra.sweep.dir={tmp / 'sweep'}", f"logger.tracking_uri=sqlite:///{tmp / 'm.db'}",
+            f"hydra.sweep.dir={tmp / 'sweep'}", f"logger.tracking_uri={_uri(tmp, server)}",
             *overrides]
 
 
-def _runs(tmp: Path) -> list:
-    client = mlflow.MlflowClient(f"sqlite:///{tmp / 'm.db'}")
-    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+def _runs(tmp: Path, server: str | None = None) -> list:
+    """This test's runs (a server's store is shared by the module's tests: its sweep's runs)."""
+    client = mlflow.MlflowClient(_uri(tmp, server))
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return [r for r in runs if r.data.tags.get("sweep") == str(tmp / "sweep")]
 
 
-def _check_one_ok_one_failed(tmp: Path, proc: subprocess.CompletedProcess) -> None:
+def _check_one_ok_one_failed(tmp: Path, proc: subprocess.CompletedProcess,
+                             server: str | None = None) -> None:
     assert proc.returncode == 1, proc.stderr[-3000:]  # the sweep ran, and says it was not clean
     assert "1 of 2 sweep jobs failed" in proc.stderr
     jobs = read_jobs(tmp / "sweep")
@@ -47,32 +75,34 @@ def _check_one_ok_one_failed(tmp: Path, proc: subprocess.CompletedProcess) -> No
     assert (summary["jobs"], summary["failed"]) == (2, 1)
     assert json.loads((tmp / "sweep" / "1" / "FAILED.json").read_text())["error_type"] == \
         "UserError"
-    by_job = {r.data.tags["sweep_job"]: r for r in _runs(tmp)}
+    by_job = {r.data.tags["sweep_job"]: r for r in _runs(tmp, server)}
+    assert len(by_job) == 2
     assert by_job["0"].info.status == "FINISHED" and by_job["1"].info.status == "FAILED"
     assert read_checkpoint(tmp / "sweep" / "0" / "checkpoints" / "last.ckpt")["global_step"] == 1
 
 
-def test_two_jobs_through_the_slurm_launchers_local_path(tmp_path: Path) -> None:
+def test_two_jobs_through_the_slurm_launchers_local_path(tmp_path: Path, server: str) -> None:
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run(
-        _sweep(tmp_path, "hydra/launcher=slurm_local", "steps=1", "filter.p1=0.2,1.5"),
+        _sweep(tmp_path, "hydra/launcher=slurm_local", "steps=1", "filter.p1=0.2,1.5",
+               server=server),
         cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=900)
-    _check_one_ok_one_failed(tmp_path, proc)
+    _check_one_ok_one_failed(tmp_path, proc, server)
     assert "Submitit 'local' sweep output dir" in proc.stdout + proc.stderr
     assert list((tmp_path / "sweep" / ".submitit").iterdir())  # the jobs went through submitit
     assert not list(elsewhere.iterdir())  # nothing written where it was started
 
 
-def test_two_jobs_on_a_local_ray_cluster(tmp_path: Path) -> None:
+def test_two_jobs_on_a_local_ray_cluster(tmp_path: Path, server: str) -> None:
     pytest.importorskip("ray", reason="the Ray launcher is the [ray] extra (make setup has it)")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run(
         _sweep(tmp_path, "hydra/launcher=ray_cluster", "+hydra.launcher.ray.init.num_cpus=2",
-               "steps=1", "filter.p1=0.2,1.5"),
+               "steps=1", "filter.p1=0.2,1.5", server=server),
         cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=900)
-    _check_one_ok_one_failed(tmp_path, proc)
+    _check_one_ok_one_failed(tmp_path, proc, server)
     assert "Ray Launcher is launching 2 jobs" in proc.stdout + proc.stderr
     assert not list(elsewhere.iterdir())
 
