@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from saopd.lightning.checkpoints import read_checkpoint
 from saopd.sweeps import read_jobs
-from saopd.tracking_server import start_server
+from tests.helpers.net import tracking_server
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +32,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A tracking server on 127.0.0.1 over a fresh store: the launchers' jobs log through it."""
-    folder = tmp_path_factory.mktemp("server")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
-                           artifacts_destination=folder / "artifacts", port=port, workers=1,
-                           log_file=folder / "server.log")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with tracking_server(tmp_path_factory.mktemp("server")) as url:
+        yield url
 
 
 def _uri(tmp: Path, server: str | None) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from PIL import Image
 
 from saopd.mlflow_ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING, experiment_url
 from saopd.tracking import make_mlflow_logger
-from saopd.tracking_server import start_server
+from tests.helpers.net import tracking_server
 
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -47,14 +46,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     """A tracking server holding two training runs with metric histories; (its URL, the
     experiment's id)."""
     folder = tmp_path_factory.mktemp("ui")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
-                           artifacts_destination=folder / "artifacts", port=port, workers=1,
-                           log_file=folder / "server.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with tracking_server(folder) as url:
         for seed, name in enumerate(RUNS):
             logger = make_mlflow_logger(experiment_name="testbed", tracking_uri=url,
                                         run_name=name, tags={"seed": str(seed)}, root=folder)
@@ -63,9 +55,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
                                     "train/filtered_ratio": 0.01 * step}, step=step)
             logger.finalize("success")
         yield url, logger.experiment_id
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_the_experiment_is_declared_model_training(served: tuple[str, str]) -> None:

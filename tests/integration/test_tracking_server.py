@@ -5,7 +5,6 @@ launchers that run jobs on several nodes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,10 +22,10 @@ from saopd.tracking_server import (
     multi_node_launcher,
     server_command,
     sqlite_refusal,
-    start_server,
 )
 from saopd.train import CONF_DIR
 from tests.conftest import REPO
+from tests.helpers.net import tracking_server
 
 TRAIN = Path(sys.executable).with_name("saopd-train")
 SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
@@ -36,13 +35,6 @@ JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 # a few seconds per job: the testbed's models, 2 steps, an evaluation of 16 held-out problems
 QUICK = ["experiment=testbed", "steps=2", "prompts_per_step=8", "eval.limit=16", "eval.k=1",
          "eval.every_n_steps=2", "eval.at_start=false", "trainer.view_every_n_steps=0"]
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -57,15 +49,8 @@ def run_train(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A tracking server on 127.0.0.1 over a fresh SQLite store; (its URL, its folder)."""
     folder = tmp_path_factory.mktemp("server")
-    port = free_port()
-    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
-                           artifacts_destination=folder / "artifacts", port=port, workers=1,
-                           log_file=folder / "server.log")
-    try:
-        yield f"http://127.0.0.1:{port}", folder
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with tracking_server(folder) as url:
+        yield url, folder
 
 
 def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(

@@ -13,7 +13,6 @@ import importlib.util
 import inspect
 import os
 import re
-import socket
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from saopd.rollout.registry import build_engine, num_training_processes
 from saopd.rollout.vllm import ENGINE_OPTIONS, VLLMEngine
 from saopd.rollout.vllm_sync import canonical_weight_name, iter_full_tensor_buckets
 from tests.conftest import compose_train
+from tests.helpers.net import free_port
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -49,12 +49,6 @@ def test_buckets_respect_the_size_and_keep_order() -> None:
     assert all(a.data_ptr() == b.data_ptr() for a, (_, b) in zip(flat, tensors, strict=True))
     with pytest.raises(ValueError, match="bucket_bytes must be an int >= 1"):
         list(iter_full_tensor_buckets(tensors, bucket_bytes=0))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dtensor_worker(rank: int, port: int, out: str) -> None:
@@ -80,7 +74,7 @@ def _dtensor_worker(rank: int, port: int, out: str) -> None:
 
 def test_dtensor_shards_are_gathered_to_full_tensors_per_bucket(tmp_path: Path) -> None:
     out = str(tmp_path / "got.pt")
-    mp.start_processes(_dtensor_worker, args=(_free_port(), out), nprocs=2, join=True,
+    mp.start_processes(_dtensor_worker, args=(free_port(), out), nprocs=2, join=True,
                        start_method="spawn")
     got = torch.load(out)
     assert [[n for n, _ in b] for b in got] == [["a"], ["b"], ["c"]]  # 48, 32 (+48 > 64), 48 B

@@ -37,18 +37,13 @@ from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
 from saopd.rollout.vllm_worker import INSTANCE_ENV, PROBE_FILE, STARTED_ENV, WORKER_EXTENSION
 from saopd.serve import GUARD, build_command, weights_dir
 from saopd.serve import main as serve_main
+from tests.helpers.net import free_port
 
 CHATS = [[{"role": "user", "content": "Alice has 3 apples. How many?"}],
          [{"role": "user", "content": "hi"}],
          [{"role": "user", "content": "Please solve 12 * 7"}]]
 STOP = 2  # the tiny tokenizer's <|im_end|>
 PAD_ROWS = 7  # the fake pads the vocabulary as vLLM does
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:
@@ -272,7 +267,7 @@ def test_a_folder_the_server_cannot_read_is_named(fake, engine) -> None:
 
 # ---- servers that fail ---------------------------------------------------------------------
 def test_health_wait_times_out_naming_the_url(tiny_tok) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
     started = time.monotonic()
     with pytest.raises(RolloutServerError, match=rf"rollout server {url} was not healthy within "
                        r"the start-up timeout .*ConnectionRefusedError"):
@@ -449,7 +444,7 @@ def test_two_ranks_sync_through_rank_0_and_share_its_failure(tmp_path) -> None:
     fake.faults["saopd_server_reload"] = lambda body: next(reloads)
     try:
         out = str(tmp_path / "out")
-        ctx = mp.start_processes(_two_rank_worker, args=(_free_port(), fake.url, out), nprocs=2,
+        ctx = mp.start_processes(_two_rank_worker, args=(free_port(), fake.url, out), nprocs=2,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
@@ -530,7 +525,7 @@ def test_saopd_serve_without_vllm_says_how_to_install(capsys, monkeypatch, tmp_p
     monkeypatch.setattr("saopd.serve.importlib.util.find_spec", lambda name: None)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
-        serve_main(["--model", str(tmp_path), "--port", str(_free_port())])
+        serve_main(["--model", str(tmp_path), "--port", str(free_port())])
     assert exit_info.value.code == 2
     assert "the vllm package is not installed" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from saopd.rollout import SamplingParams
 from saopd.rollout.base import RolloutBatch
 from saopd.rollout.vllm import VLLMEngine
 from saopd.rollout.vllm_tp import TensorParallelGroup, gather_group_requests, tensor_parallel_groups
+from tests.helpers.net import free_port
 
 
 def test_groups_are_consecutive_ranks_within_a_node() -> None:
@@ -68,12 +68,6 @@ def test_a_shard_needs_an_in_process_tensor_parallel_engine(tmp_path: Path) -> N
         VLLMEngine(tmp_path, object(), colocated_tensor_parallel=True, tensor_parallel_size=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -106,7 +100,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_four_ranks_at_tensor_parallel_2_gather_within_their_group_and_keep_their_rows(
         tmp_path: Path) -> None:
-    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=4, join=True,
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=4, join=True,
                        start_method="spawn")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [g["ranks"] for g in got] == [[0, 1], [0, 1], [2, 3], [2, 3]]
@@ -146,7 +140,7 @@ def _absent_peer(rank: int, port: int, out: str) -> None:
 
 
 def test_a_rank_that_never_checks_in_is_named_within_the_timeout(tmp_path: Path) -> None:
-    mp.start_processes(_absent_peer, args=(_free_port(), str(tmp_path)), nprocs=2, join=True,
+    mp.start_processes(_absent_peer, args=(free_port(), str(tmp_path)), nprocs=2, join=True,
                        start_method="spawn")
     got = json.loads((tmp_path / "rank0.json").read_text())
     assert got["error"].startswith("the vLLM engine (test): ranks [1] did not come to start "
