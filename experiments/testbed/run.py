@@ -109,12 +109,11 @@ def solution_shares(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {f"sol/{k}": v / max(len(samples), 1) for k, v in counts.items()}
 
 
-def final_eval_samples(uri: str, run_id: str) -> list[dict[str, Any]] | None:
+def final_eval_samples(client: Any, run_id: str) -> list[dict[str, Any]] | None:
     """The per-sample rows of a run's last evaluation, read from its run folder (the sweep's
-    ``sweep``/``sweep_job`` tags); None when the folder is not on this machine."""
-    from mlflow.tracking import MlflowClient
-
-    tags = MlflowClient(uri).get_run(run_id).data.tags
+    ``sweep``/``sweep_job`` tags; ``client``: an ``MlflowClient``); None when the folder is not
+    on this machine."""
+    tags = client.get_run(run_id).data.tags
     if "sweep" not in tags or "sweep_job" not in tags:
         return None
     evals = sorted((Path(tags["sweep"]) / tags["sweep_job"] / "eval").glob("step_*/arith.jsonl"))
@@ -171,6 +170,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
         load_runs,
         method_labels,
         metric_histories,
+        mlflow_client,
         run_seeds,
     )
     from saopd.testbeds.arithmetic import (
@@ -209,6 +209,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     phrase_keys = [f"eval/arith/phrase_{h.name}" for h in habits]
     keys = [ACCURACY, *SHORTCUT_KEYS, *phrase_keys, "train/filtered_ratio", "train/flmr"]
     hist = metric_histories(uri, runs["run_id"], keys)
+    client = mlflow_client(uri)  # one client for every run's tags and token records
     per_run: dict[str, dict[str, float]] = {}
     what_if = {ratio: SourceCounts() for ratio in RATIOS}
     sa_opd_ids = set(runs[runs.label == "SA-OPD"]["run_id"])
@@ -221,11 +222,11 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
                 row[key] = float(pts.value.iloc[-1]) if len(pts) else float("nan")
             else:  # training metrics: the mean over the run's steps
                 row[key] = float(pts.value.mean()) if len(pts) else float("nan")
-        samples = final_eval_samples(uri, run_id)
+        samples = final_eval_samples(client, run_id)
         if samples is None:
             print(f"run {run_id}: its run folder is not here; no solution kinds", flush=True)
         row.update(solution_shares(samples) if samples is not None else {})
-        files = download_token_records(uri, run_id, OUT / ".records" / run_id)
+        files = download_token_records(client, run_id, OUT / ".records" / run_id)
         records = read_token_records(files[0].parent) if files else []
         counts = selection_by_source((x for r in records for x in r["responses"]), habits,
                                      shortcut)
