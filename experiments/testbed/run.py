@@ -311,7 +311,8 @@ def _write_tables(study: str, table: dict[str, dict[str, tuple[float, float]]],
                 "sel/filtered_from_grounded", "sel/abs_a_shortcut", "sel/abs_a_grounded",
                 "sel/gap_shortcut", "sel/gap_habit", "sel/gap_slot", "sel/gap_grounded"]
         lines.append(f"| {label} | " + " | ".join(_fmt(*cols[k]) for k in keys) + " |")
-    kinds = ["lines_right", "wrong_line", "too_few_lines", "too_many_lines", "shortcut"]
+    from saopd.stages.testbed import SOLUTION_KINDS as kinds  # the table's column order
+
     lines += ["", f"## {study}: where the answers go wrong (the final evaluation's samples, "
               "against the exact column lines; share of samples; mean ± 95% CI over seeds)", "",
               "| method | column lines exact | a wrong line | too few lines | too many lines | "
