@@ -40,6 +40,7 @@ __all__ = [
     "RECORD_VERSION",
     "ResponseRecord",
     "StepRecord",
+    "StepView",
     "find_record_dirs",
     "load_step_record",
     "load_step_records",
@@ -153,39 +154,66 @@ def prompt_text(messages: Sequence[Mapping[str, Any]] | None) -> str:
     return str(content)
 
 
-def step_record_from_view(view: Mapping[str, Any], tokenizer: Any | None, *, step: int,
+@dataclass
+class StepView:
+    """What one training step shows of its tokens: the step's output besides its loss
+    (``OPDModule.training_step`` returns ``{"loss": ..., "view": StepView}``, which Lightning
+    hands to the callbacks' ``on_train_batch_end`` as ``outputs``), on the CPU.
+
+    B rows (one per response of this rank's batch), right-padded to R tokens:
+
+    Attributes:
+        step: 0-based step index.
+        messages: the prompt (a chat) of each row.
+        response_ids: int [B, R] sampled token ids.
+        valid: bool [B, R], True = a response token (False = padding).
+        a_full: float [B, R] A_full (Eq. 12).
+        a_res: float [B, R] A_res (Eq. 13); None when the step ran no residual pass.
+        filtered: bool [B, R], True = in F (Eq. 16: removed from the loss).
+        stats: the filter's statistics (``FilterResult.stats``: FLMR, filtered ratio, ...).
+        entropy_student: float [B, R] H_S (nats), None when the step did not compute it.
+    """
+
+    step: int
+    messages: list[Any]
+    response_ids: Any
+    valid: Any
+    a_full: Any
+    a_res: Any | None
+    filtered: Any
+    stats: dict[str, Any] = field(default_factory=dict)
+    entropy_student: Any | None = None
+
+
+def step_record_from_view(view: StepView, tokenizer: Any | None, *, step: int,
                           filter_name: str | None = None,
                           max_rows: int | None = None) -> StepRecord:
-    """A step record from the training step's view (``OPDModule.last_view``).
+    """A step record from the training step's :class:`StepView`.
 
     Args:
-        view: mapping with ``messages`` (B chats), ``response_ids`` int [B, R], ``valid`` bool
-            [B, R], ``a_full`` float [B, R], ``a_res`` float [B, R] or ``None``, ``filtered``
-            bool [B, R], ``stats`` (the FilterResult's stats) and optionally
-            ``entropy_student`` float [B, R].
+        view: the step's tokens and signals.
         tokenizer: decodes each id into ``tokens``; ``None`` stores ids only.
         step: 0-based step index.
         filter_name: the filter's name.
         max_rows: keep only the first responses; ``None`` (default): the whole batch.
     """
-    prompts = [prompt_text(m) for m in view["messages"]]
+    prompts = [prompt_text(m) for m in view.messages]
     if tokenizer is None:
         tokenizer = _IdsAsText()
         keep_text = False
     else:
         keep_text = True
-    rows = token_rows_from_batch(tokenizer, prompts, view["response_ids"], view["valid"],
-                                 view["a_full"], view.get("a_res"), view["filtered"],
-                                 max_rows=max_rows,
-                                 entropy_student=view.get("entropy_student"))
-    ids = _valid_ids(view["response_ids"], view["valid"], len(rows))
+    rows = token_rows_from_batch(tokenizer, prompts, view.response_ids, view.valid,
+                                 view.a_full, view.a_res, view.filtered,
+                                 max_rows=max_rows, entropy_student=view.entropy_student)
+    ids = _valid_ids(view.response_ids, view.valid, len(rows))
     responses = [
         ResponseRecord(prompt=r.prompt, response_ids=i, tokens=r.tokens if keep_text else None,
                        a_full=r.a_full, a_res=r.a_res, filtered=r.filtered,
                        entropy_student=r.entropy_student)
         for r, i in zip(rows, ids, strict=True)
     ]
-    stats = {str(k): float(v) for k, v in dict(view.get("stats") or {}).items()}
+    stats = {str(k): float(v) for k, v in dict(view.stats or {}).items()}
     return StepRecord(step=int(step), filter_name=filter_name, stats=stats, responses=responses)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import lightning as L
 
 from saopd.analysis.token_records import (
+    StepView,
     prompt_text,
     record_path,
     save_step_record,
@@ -18,15 +20,18 @@ from saopd.analysis.token_records import (
 )
 from saopd.analysis.token_view import render_token_view, token_rows_from_batch
 from saopd.config.rollout import HFRolloutConfig
+from saopd.config.train import TrainConfig
 from saopd.eval.benchmarks import BENCHMARKS
-from saopd.eval.runner import evaluate_benchmark
+from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
+from saopd.lightning.data import StepBatch
 from saopd.rollout.base import RolloutEngine, SamplingParams
 from saopd.rollout.registry import build_engine
 
 
 class RolloutCallback(L.Callback):
-    """Samples this step's responses from the current student before ``training_step``.
+    """Samples this step's responses from the current student before ``training_step`` and
+    attaches them to the step's :class:`~saopd.lightning.data.StepBatch`.
 
     Generation runs in eval mode under ``no_grad`` (the engine's job); with a seed, step k
     samples with ``seed + k`` so a resumed run draws exactly what an uninterrupted one would.
@@ -73,22 +78,22 @@ class RolloutCallback(L.Callback):
         rollouts = ahead[2].result()
         return rollouts if ahead[0] == step and ahead[1] == messages else None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: dict[str, Any],
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: StepBatch,
                              batch_idx: int) -> None:
-        pl_module.step_started = time.perf_counter()
+        started = time.perf_counter()
         step = trainer.global_step
-        rollouts = self._take_ahead(step, batch["messages"])
+        rollouts = self._take_ahead(step, batch.messages)
         staleness = 0 if rollouts is None else 1
         if rollouts is None:
-            rollouts = self.engine.generate(batch["messages"], self._sampling(trainer, step))
-        pl_module.pending_rollouts = rollouts
+            rollouts = self.engine.generate(batch.messages, self._sampling(trainer, step))
+        batch.attach_rollouts(rollouts, started=started)
         if self.async_steps:
             pl_module.log("train/rollout_staleness", float(staleness), on_step=True,
                           on_epoch=False, batch_size=1)
             datamodule = getattr(trainer, "datamodule", None)
             if step + 1 < trainer.max_steps and hasattr(datamodule, "step_batch"):
                 nxt = datamodule.step_batch(step + 1, trainer.global_rank,
-                                            trainer.world_size)["messages"]
+                                            trainer.world_size).messages
                 assert self._pool is not None
                 self._ahead = (step + 1, nxt, self._pool.submit(
                     self.engine.generate, nxt, self._sampling(trainer, step + 1)))
@@ -114,7 +119,9 @@ class RolloutCallback(L.Callback):
 
 
 class TokenViewCallback(L.Callback):
-    """Every ``every_n_steps``, renders the last step's responses as an HTML page and saves them.
+    """Every ``every_n_steps``, renders the step's responses (the
+    :class:`~saopd.analysis.token_records.StepView` its ``training_step`` returned) as an HTML
+    page and saves them.
 
     Each response token is coloured by A_full, with its grounding gap in the tooltip, and the
     tokens SA-OPD filtered are outlined (the paper's Appendix E view). Pages are written to
@@ -141,20 +148,21 @@ class TokenViewCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        view = getattr(pl_module, "last_view", None)
+        view = outputs.get("view") if isinstance(outputs, Mapping) else None
         done = trainer.global_step  # optimizer steps done, this one included
-        if view is None or done % self.every_n_steps != 0 or not trainer.is_global_zero:
+        if not isinstance(view, StepView) or done % self.every_n_steps != 0 \
+                or not trainer.is_global_zero:
             return  # data-parallel: rank 0 writes its rows (other ranks would race on the files)
-        step = done - 1  # the step index its metrics are logged under (0-based)
+        step = view.step  # the step index its metrics are logged under (0-based)
 
         tok = pl_module.tokenizer
-        prompts = [prompt_text(m) for m in view["messages"]]
-        rows = token_rows_from_batch(tok, prompts, view["response_ids"], view["valid"],
-                                     view["a_full"], view["a_res"], view["filtered"],
+        prompts = [prompt_text(m) for m in view.messages]
+        rows = token_rows_from_batch(tok, prompts, view.response_ids, view.valid,
+                                     view.a_full, view.a_res, view.filtered,
                                      max_rows=self.max_rows,
-                                     entropy_student=view.get("entropy_student"))
+                                     entropy_student=view.entropy_student)
         html = render_token_view(rows, title=f"step {step}: filter "
-                                 f"{pl_module.token_filter.name}", stats=view["stats"])
+                                 f"{pl_module.token_filter.name}", stats=view.stats)
         path = self.out_dir / "token_view" / f"step_{step:06d}.html"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(html, encoding="utf-8")
@@ -209,6 +217,18 @@ class EvalCallback(L.Callback):
         self.at_start = at_start
         self.sampler = sampler
         self.results: dict[int, dict[str, float]] = {}
+
+    @classmethod
+    def from_config(cls, conf: TrainConfig, out_dir: str | Path) -> EvalCallback:
+        """The run's evaluation (``conf.eval``): its benchmarks loaded now (``ValueError`` or
+        ``FileNotFoundError`` for a missing or malformed one), sampled with the run's seed."""
+        ev = conf.eval
+        problems = {name: load_benchmark(name, ev.data_dir, limit=ev.limit)
+                    for name in ev.benchmarks}
+        sampling = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p,
+                                  max_new_tokens=ev.max_new_tokens, seed=conf.seed)
+        return cls(ev.every_n_steps, problems, sampling, out_dir, at_start=ev.at_start,
+                   batch_size=ev.batch_size, sampler=ev.sampler)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.at_start and trainer.global_step == 0:

@@ -14,12 +14,58 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning as L
 from torch.utils.data import DataLoader, Sampler
 
+from saopd.config.train import TrainConfig
 from saopd.prompts.text import PromptDataset, PromptRecord, PromptSampler, collate_prompts
+from saopd.rollout.base import RolloutBatch
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's input on this rank: its prompts, then the responses sampled for them.
+
+    The dataloader yields it with the prompts only (``ids``, ``messages``: chat messages per
+    prompt, ``answers``: reference answers or None). Before ``training_step`` the
+    :class:`~saopd.lightning.callbacks.RolloutCallback` fills it through
+    :meth:`attach_rollouts`; ``training_step`` takes them with :meth:`take_rollouts`, so the
+    step's data reaches the module through its input and nowhere else. It holds no tensors: the
+    module moves the step's contexts to its device itself.
+    """
+
+    ids: list[str]
+    messages: list[list[dict[str, Any]]]
+    answers: list[str | None]
+    rollouts: RolloutBatch | None = field(default=None, repr=False)
+    #: ``time.perf_counter()`` when the step's work began (its sampling included)
+    started: float | None = None
+
+    @classmethod
+    def of(cls, records: Sequence[PromptRecord]) -> StepBatch:
+        """The batch of ``records`` (copies of their messages), rollouts not sampled yet."""
+        return cls(**collate_prompts(records))
+
+    def attach_rollouts(self, rollouts: RolloutBatch, *, started: float | None = None) -> None:
+        """Give the batch its responses (``rollouts``: sampled for :attr:`messages`, in their
+        order); ``started``: when the step's work began. Raises ``ValueError`` when the
+        rollouts were sampled for another number of prompts."""
+        if len(rollouts.messages) != len(self.messages):
+            raise ValueError(f"the rollouts are for {len(rollouts.messages)} prompts, not this "
+                             f"step's {len(self.messages)}")
+        self.rollouts, self.started = rollouts, started
+
+    def take_rollouts(self) -> RolloutBatch:
+        """The attached rollouts; ``RuntimeError`` when none were attached or none came back."""
+        if self.rollouts is None:
+            raise RuntimeError("no rollouts for this step: the RolloutCallback must be "
+                               "installed (it attaches them to the step's batch)")
+        if not self.rollouts.rollouts:
+            raise RuntimeError("the rollout engine returned no responses for this batch")
+        return self.rollouts
 
 
 class StepBatchSampler(Sampler[list[int]]):
@@ -93,8 +139,16 @@ class PromptDataModule(L.LightningDataModule):
         self.shuffle = shuffle
         self.start_step = 0
 
-    def step_batch(self, step: int, rank: int = 0, world_size: int = 1) -> dict[str, list[Any]]:
-        """The collated batch rank ``rank`` of ``world_size`` trains on at optimizer step
+    @classmethod
+    def from_config(cls, conf: TrainConfig, records: Sequence[PromptRecord]
+                    ) -> PromptDataModule:
+        """The run's prompts: ``conf.prompts_per_step`` per step for ``conf.steps`` steps, in
+        the order of ``conf.seed`` (``data.shuffle``)."""
+        return cls(records, prompts_per_step=conf.prompts_per_step, num_steps=conf.steps,
+                   seed=conf.seed, shuffle=conf.data.shuffle)
+
+    def step_batch(self, step: int, rank: int = 0, world_size: int = 1) -> StepBatch:
+        """The batch rank ``rank`` of ``world_size`` trains on at optimizer step
         ``step`` (what the dataloader yields then): for sampling a step's rollouts ahead of
         time (``rollout.async_steps``)."""
         sampler = StepBatchSampler(len(self.records), self.prompts_per_step, self.num_steps,
@@ -102,7 +156,7 @@ class PromptDataModule(L.LightningDataModule):
                                    world_size=world_size)
         share = self.prompts_per_step // world_size
         indices = sampler.batch(step)[rank * share: (rank + 1) * share]
-        return collate_prompts([self.records[i] for i in indices])
+        return StepBatch.of([self.records[i] for i in indices])
 
     def _current_step(self) -> int:
         return self.trainer.global_step if self.trainer is not None else self.start_step
@@ -115,7 +169,7 @@ class PromptDataModule(L.LightningDataModule):
                                    rank=trainer.global_rank if trainer is not None else 0,
                                    world_size=trainer.world_size if trainer is not None else 1)
         return DataLoader(PromptDataset(self.records), batch_sampler=sampler,
-                          collate_fn=collate_prompts, num_workers=0)
+                          collate_fn=StepBatch.of, num_workers=0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "prompts_per_step": self.prompts_per_step,

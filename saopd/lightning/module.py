@@ -1,7 +1,8 @@
 """The LightningModule: one OPD / SA-OPD training step, as in the paper's Algorithm 1.
 
 ``training_step`` takes the rollouts the :class:`~saopd.lightning.callbacks.RolloutCallback`
-sampled for this step's prompts and then reads like the algorithm::
+sampled for this step's prompts (attached to its input, a :class:`~saopd.lightning.data.StepBatch`)
+and then reads like the algorithm::
 
     contexts  <- full (prompt + response) and residual (task input removed + same response)
     frozen    <- teacher full, teacher/student residual, reference   (no grad)
@@ -19,19 +20,24 @@ full-batch gradient.
 
 from __future__ import annotations
 
+import copy
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import lightning as L
 import torch
 
+from saopd.analysis.token_records import StepView
 from saopd.config.step import OptimConfig, StepConfig
-from saopd.contexts import ContextBuilder, TextContexts
+from saopd.config.train import TrainConfig
+from saopd.contexts import ContextBuilder, TextContexts, context_builder
 from saopd.contexts.batch import PairedContextBatch
 from saopd.data_parallel import all_reduce_sum, world_size
 from saopd.filters import FilterResult, TokenFilter
 from saopd.filters.distributed import batch_global_filter
+from saopd.lightning.data import StepBatch
 from saopd.lightning.metrics import TrainMetrics
+from saopd.models.factory import ModelPair
 from saopd.models.sharding import (
     enable_activation_checkpointing,
     no_backward_sync,
@@ -50,6 +56,14 @@ if TYPE_CHECKING:
 
 
 FROZEN_PREFIXES = ("teacher.", "reference.")
+
+
+class StepOutput(TypedDict):
+    """What ``training_step`` returns; Lightning gives it to every callback's
+    ``on_train_batch_end`` as ``outputs`` (``loss`` detached)."""
+
+    loss: torch.Tensor  # the global batch's loss (scalar)
+    view: StepView  # this rank's tokens, signals and filter decisions, on the CPU
 
 
 class OPDModule(L.LightningModule):
@@ -118,9 +132,30 @@ class OPDModule(L.LightningModule):
         extra = ("entropy_student",) if self.step_cfg.log_entropy else ()
         self.needs = ScoringNeeds.of(token_filter, objective, extra=extra)
         self.metrics = TrainMetrics()
-        self.pending_rollouts: RolloutBatch | None = None
-        self.step_started: float | None = None
-        self.last_view: dict[str, Any] | None = None  # for the filtered-token view callback
+
+    @classmethod
+    def from_config(cls, conf: TrainConfig, pair: ModelPair, token_filter: TokenFilter,
+                    objective: Objective, scorer: TeacherScorer | None = None) -> OPDModule:
+        """The module of a run: ``pair``'s student and teacher (or ``scorer``, a
+        teacher-scoring service, when the pair holds no teacher), a frozen copy of the student
+        when the objective needs the reference (ExOPD's ``lp_ref``), ``conf``'s optimizer, step,
+        activation checkpointing and FSDP precision, and the pair's context builder
+        (:func:`saopd.contexts.context_builder`: the teacher's own template when it scores its
+        own contexts, response ids mapped)."""
+        return cls(
+            student=pair.student, teacher=pair.teacher, teacher_scorer=scorer,
+            tokenizer=pair.tokenizer, token_filter=token_filter, objective=objective,
+            reference=copy.deepcopy(pair.student) if "lp_ref" in objective.needs else None,
+            optim=conf.optim, step=conf.step, total_steps=conf.steps,
+            vocab_size=pair.vocab.common_logits,
+            activation_checkpointing=conf.trainer.activation_checkpointing,
+            fsdp_mixed_precision=conf.trainer.fsdp_mixed_precision,
+            contexts=context_builder(
+                pair.tokenizer, pair.processor, residual_remove=conf.data.residual_remove,
+                chat_template_kwargs=conf.data.chat_template_kwargs,
+                teacher_tokenizer=(pair.teacher_tokenizer if pair.scored_contexts == "own"
+                                   else None),
+                response_id_map=pair.vocab.response_id_map))
 
     # ---- Lightning plumbing ---------------------------------------------------------------
     def configure_model(self) -> None:
@@ -183,14 +218,12 @@ class OPDModule(L.LightningModule):
             step=self.step_cfg, prompt_ids=[r.prompt_ids for r in rollouts.rollouts],
         ).to(self.device)
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        rollouts = self.pending_rollouts
-        if rollouts is None:
-            raise RuntimeError("no rollouts for this step: the RolloutCallback must be installed")
-        self.pending_rollouts = None
-        if not rollouts.rollouts:
-            raise RuntimeError("the rollout engine returned no responses for this batch")
-        started = self.step_started or time.perf_counter()
+    def training_step(self, batch: StepBatch, batch_idx: int) -> StepOutput:
+        """One step on ``batch``'s rollouts (attached by the RolloutCallback); returns the
+        global loss and the step's :class:`~saopd.analysis.token_records.StepView`."""
+        rollouts = batch.take_rollouts()
+        started = batch.started or time.perf_counter()
+        index = self.global_step  # this step's 0-based index (the optimizer has not stepped)
 
         ctx = self.build_contexts(rollouts)
         n_rows, length = ctx.response_ids.shape
@@ -205,7 +238,7 @@ class OPDModule(L.LightningModule):
                               reference=self.reference, needs=self.needs,
                               teacher_scores=pending, **kw)
         generator = torch.Generator(device="cpu").manual_seed(
-            self.step_cfg.seed * 1_000_003 + self.global_step)
+            self.step_cfg.seed * 1_000_003 + index)
 
         opt = self.optimizers()
         opt.zero_grad(set_to_none=True)
@@ -251,8 +284,8 @@ class OPDModule(L.LightningModule):
 
         self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started, lr_used,
                        teacher_wait=frozen.teacher_wait if pending is not None else None)
-        self._keep_view(rollouts, ctx, signals, result)
-        return loss.detach()
+        return {"loss": loss.detach(),
+                "view": self._view(index, rollouts, ctx, signals, result)}
 
     # ---- logging ------------------------------------------------------------------------------
     def _log_step(self, loss: torch.Tensor, signals: TokenSignals, result: FilterResult,
@@ -287,17 +320,18 @@ class OPDModule(L.LightningModule):
             self.log(f"train/{name}", value, on_step=True, on_epoch=False,
                      prog_bar=name in bar, batch_size=len(rollouts.rollouts), sync_dist=sync)
 
-    def _keep_view(self, rollouts: RolloutBatch, ctx: PairedContextBatch,
-                   signals: TokenSignals, result: FilterResult) -> None:
-        self.last_view = {
-            "step": self.global_step,
-            "messages": rollouts.row_messages(),
-            "response_ids": ctx.response_ids.detach().cpu(),
-            "valid": signals.valid.cpu(),
-            "a_full": signals.a_full.cpu(),
-            "a_res": signals.a_res.cpu() if signals.has_residual else None,
-            "entropy_student": (signals.entropy_student.detach().cpu()
-                                if signals.entropy_student is not None else None),
-            "filtered": result.filtered.cpu(),
-            "stats": dict(result.stats),
-        }
+    @staticmethod
+    def _view(index: int, rollouts: RolloutBatch, ctx: PairedContextBatch,
+              signals: TokenSignals, result: FilterResult) -> StepView:
+        return StepView(
+            step=index,
+            messages=rollouts.row_messages(),
+            response_ids=ctx.response_ids.detach().cpu(),
+            valid=signals.valid.cpu(),
+            a_full=signals.a_full.cpu(),
+            a_res=signals.a_res.cpu() if signals.has_residual else None,
+            entropy_student=(signals.entropy_student.detach().cpu()
+                             if signals.entropy_student is not None else None),
+            filtered=result.filtered.cpu(),
+            stats=dict(result.stats),
+        )

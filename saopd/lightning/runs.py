@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,17 @@ def check_resume_config(recorded: Mapping[str, str] | None, config: Mapping[str,
             f"({shown}). Steps trained so would be credited to that run. Start a new run, or "
             "list the keys you mean to change: resume_changes=[" + ",".join(refused) + "]")
     return {k: v for k, v in diff.items() if k in allowed}
+
+
+def record_resume_changes(run: Path, changes: Mapping[str, tuple[str, str]]) -> None:
+    """Append the keys a resume changed on purpose (``resume_changes``: ``{key: (recorded,
+    now)}``) to the run's ``saopd_resume_changes.jsonl``."""
+    record = run / "saopd_resume_changes.jsonl"
+    with record.open("a") as fh:
+        fh.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                             "changes": {k: {"run": a, "now": b}
+                                         for k, (a, b) in changes.items()}}) + "\n")
+    log.warning("resume changes %s on purpose (recorded in %s)", ", ".join(changes), record)
 
 
 class RunBusyError(OSError):
@@ -250,7 +262,7 @@ class FiniteGuard(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
-        rollouts = getattr(pl_module, "pending_rollouts", None)
+        rollouts = getattr(batch, "rollouts", None)  # attached by the RolloutCallback
         found = next((r.response_ids for r in getattr(rollouts, "rollouts", [])
                       if r.response_ids), None)
         if found is None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from saopd.analysis.token_records import (
+    StepView,
     find_record_dirs,
     load_step_record,
     load_step_records,
@@ -23,8 +24,8 @@ from saopd.analysis.token_view import render_token_view
 TEXTS = ["The answer is 4.", "Let's add: 2 + 2\n= 4"]
 
 
-def _view(tok, *, entropy: bool = True, residual: bool = True) -> dict:
-    """What OPDModule keeps as ``last_view``: right-padded [B, R] tensors."""
+def _view(tok, *, entropy: bool = True, residual: bool = True) -> StepView:
+    """What a training step returns as its ``view``: right-padded [B, R] tensors."""
     enc = [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
     length = max(map(len, enc)) + 3
     ids = torch.zeros(len(enc), length, dtype=torch.long)
@@ -35,6 +36,7 @@ def _view(tok, *, entropy: bool = True, residual: bool = True) -> dict:
     g = torch.Generator().manual_seed(0)
     a_full = torch.randn(ids.shape, generator=g)
     view = {
+        "step": 0,
         "messages": [[{"role": "user", "content": "What is 2+2?"}],
                      [{"role": "system", "content": "sys"},
                       {"role": "user", "content": [{"type": "image"},
@@ -46,7 +48,7 @@ def _view(tok, *, entropy: bool = True, residual: bool = True) -> dict:
     }
     if entropy:
         view["entropy_student"] = 3 * torch.rand(ids.shape, generator=g)
-    return view
+    return StepView(**view)
 
 
 def test_prompt_text_handles_multimodal_content() -> None:
@@ -61,7 +63,7 @@ def test_prompt_text_handles_multimodal_content() -> None:
 def test_record_round_trip(tiny_tok, tmp_path: Path, compress: bool) -> None:
     view = _view(tiny_tok)
     rec = step_record_from_view(view, tiny_tok, step=7, filter_name="sa_opd")
-    assert [len(r.response_ids) for r in rec.responses] == view["valid"].sum(-1).tolist()
+    assert [len(r.response_ids) for r in rec.responses] == view.valid.sum(-1).tolist()
     assert ["".join(r.tokens) for r in rec.responses] == TEXTS
     assert rec.responses[1].prompt == "<image>Add them."
     path = save_step_record(rec, record_path(tmp_path, 7, compress=compress))
@@ -73,15 +75,15 @@ def test_record_round_trip(tiny_tok, tmp_path: Path, compress: bool) -> None:
     assert back.step == 7 and back.filter_name == "sa_opd" and back.stats == rec.stats
     assert back.has_entropy
     for b, (r, orig) in enumerate(zip(back.responses, rec.responses, strict=True)):
-        mask = view["valid"][b]
-        assert r.response_ids == view["response_ids"][b][mask].tolist()
-        assert r.filtered == view["filtered"][b][mask].tolist()
-        assert r.a_full == pytest.approx(view["a_full"][b][mask].tolist(), rel=1e-5, abs=1e-6)
-        assert r.a_res == pytest.approx(view["a_res"][b][mask].tolist(), rel=1e-5, abs=1e-6)
+        mask = view.valid[b]
+        assert r.response_ids == view.response_ids[b][mask].tolist()
+        assert r.filtered == view.filtered[b][mask].tolist()
+        assert r.a_full == pytest.approx(view.a_full[b][mask].tolist(), rel=1e-5, abs=1e-6)
+        assert r.a_res == pytest.approx(view.a_res[b][mask].tolist(), rel=1e-5, abs=1e-6)
         assert r.entropy_student == pytest.approx(orig.entropy_student, rel=1e-5, abs=1e-6)
     rows = back.rows()
     assert rows[0].gap == pytest.approx(
-        (view["a_full"] - view["a_res"])[0][view["valid"][0]].abs().tolist(), rel=1e-4,
+        (view.a_full - view.a_res)[0][view.valid[0]].abs().tolist(), rel=1e-4,
         abs=1e-5)
 
 

@@ -41,11 +41,11 @@ class FixedRollouts(L.Callback):
         self.vocab = vocab
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        messages = batch["messages"]
+        messages = batch.messages
         rollouts = [Rollout(prompt_index=i, response_ids=fixed_response(m, self.vocab,
                                                                         trainer.global_step + k))
                     for i, m in enumerate(messages) for k in range(2)]
-        pl_module.pending_rollouts = RolloutBatch(messages=list(messages), rollouts=rollouts)
+        batch.attach_rollouts(RolloutBatch(messages=list(messages), rollouts=rollouts))
 
 
 class Losses(L.Callback):

@@ -180,9 +180,9 @@ class _Record(L.Callback):
         self.teacher: Any = "unset"
         self.waits: list[float] = []
 
-    def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+    def on_train_batch_end(self, trainer, pl_module, outputs, *args: Any) -> None:
         m = trainer.callback_metrics
-        self.steps.append((pl_module.last_view["filtered"].clone(), float(m["train/loss"])))
+        self.steps.append((outputs["view"].filtered.clone(), float(m["train/loss"])))
         self.teacher = pl_module.teacher
         if "train/teacher_wait" in m:
             self.waits.append(float(m["train/teacher_wait"]))

@@ -236,12 +236,12 @@ class _Record(L.Callback):
         self.out, self.rollouts, self.losses = out, [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        view = pl_module.last_view
-        self.rollouts.append({"messages": [m[-1]["content"] for m in view["messages"]],
+        view = outputs["view"]
+        self.rollouts.append({"messages": [m[-1]["content"] for m in view.messages],
                               "responses": [[int(t) for t, ok in zip(ids, valid, strict=True)
                                              if ok] for ids, valid in
-                                            zip(view["response_ids"].tolist(),
-                                                view["valid"].tolist(), strict=True)]})
+                                            zip(view.response_ids.tolist(),
+                                                view.valid.tolist(), strict=True)]})
         (self.out / f"rollouts_rank{trainer.global_rank}.json").write_text(
             json.dumps(self.rollouts))
         metrics = trainer.callback_metrics
