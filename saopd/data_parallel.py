@@ -12,7 +12,8 @@ Two kinds of fact:
 - of the *process group* (:func:`rank`, :func:`world_size`): with no initialised group (one
   process, or before Lightning starts one) the process is rank 0 of 1, and every collective here
   returns its input;
-- of the *launch* (:func:`training_rank`, :func:`training_world_size`): the group's when it
+- of the *launch* (:func:`training_rank`, :func:`training_world_size`,
+  :func:`num_training_processes` from the trainer's settings): the group's when it
   exists, otherwise what the launcher's variables say (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, Lightning's ``NODE_RANK`` / ``LOCAL_WORLD_SIZE``), for code that runs before
   the group is initialised (building a colocated engine per rank).
@@ -23,6 +24,7 @@ Only ``torch.distributed`` is used, so this module sits below every package that
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,7 @@ __all__ = [
     "all_reduce_sum",
     "gather_rows",
     "is_distributed",
+    "num_training_processes",
     "rank",
     "training_rank",
     "training_world_size",
@@ -78,6 +81,20 @@ def training_world_size() -> int:
     """Training processes of this launch: the process group's size when there is one, else the
     launcher's ``WORLD_SIZE``, else 1."""
     return world_size() if is_distributed() else max(1, _env_int("WORLD_SIZE", 1))
+
+
+def num_training_processes(devices: Any, num_nodes: int = 1) -> int:
+    """Processes Lightning will start for ``trainer.devices`` x ``num_nodes`` (``auto`` / -1:
+    every visible GPU, one process on CPU)."""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, (list, tuple)):
+        per_node = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        per_node = devices
+    else:  # "auto", -1
+        per_node = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    return per_node * max(1, int(num_nodes))
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ the record itself with :meth:`Registry.add`; ``get`` then returns that record.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -61,6 +61,15 @@ class Registry(Generic[T]):
                     f"allowed: {sorted(allowed)}"
                 )
         return cls(**kwargs)
+
+    def from_config(self, params: Mapping[str, Any]) -> T:
+        """Instantiate from a config mapping: its ``name`` plus that class's parameters
+        (``filter: {name: sa_opd, p1: 0.2, ...}``); errors as :meth:`build`."""
+        params = dict(params)
+        if "name" not in params:
+            raise ValueError(f"a {self.kind} config needs a 'name' (one of "
+                             f"{', '.join(self.names())}); got keys {sorted(params)}")
+        return self.build(params.pop("name"), **params)
 
     def names(self) -> list[str]:
         return sorted(self._classes)

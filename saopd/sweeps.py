@@ -19,10 +19,13 @@ import json
 import logging
 import os
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
+
+from saopd.tracking import mark_run_failed
 
 log = logging.getLogger("saopd.sweeps")
 JOBS_FILE = "jobs.jsonl"
@@ -60,6 +63,40 @@ def record_job_failure(job_dir: Path, error: BaseException) -> dict[str, Any]:
     tmp = job_dir / (FAILED_FILE + ".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, job_dir / FAILED_FILE)
+    return info
+
+
+def run_tags(conf: Any) -> dict[str, str]:
+    """MLflow tags of a run: experiment, filter, objective, seed, sweep and job
+    (:func:`sweep_tags`), study, method and the user's ``logger.tags``.
+
+    ``conf``: the validated :class:`~saopd.config.train.TrainConfig` or, for a job that failed
+    before validation, the raw Hydra config."""
+    named = {k: getattr(conf, k, None) for k in ("study", "method")}
+    tags = {"experiment": conf.experiment_name, "filter": conf.filter["name"],
+            "objective": conf.objective["name"], "seed": conf.seed, **sweep_tags(),
+            **{k: v for k, v in named.items() if v}, **(conf.logger.tags or {})}
+    return {k: str(v) for k, v in tags.items()}
+
+
+def record_failed_job(job_dir: Path, error: BaseException, *, tracking_uri: str | None,
+                      run_id: str | None, experiment: str, tags: Mapping[str, str],
+                      with_traceback: bool = True) -> dict[str, Any]:
+    """A sweep job that failed: log it (``with_traceback``: its traceback too), write
+    ``job_dir/FAILED.json`` (:func:`record_job_failure`) and, with a ``tracking_uri``, mark its
+    MLflow run ``run_id`` FAILED (:func:`saopd.tracking.mark_run_failed`: one is made in
+    ``experiment`` with ``tags`` when the job failed before training made it). An MLflow
+    error is a warning: the failure is in ``FAILED.json`` and the log already. Returns what
+    ``FAILED.json`` holds."""
+    log.error("sweep job failed: %s: %s", type(error).__name__, error,
+              exc_info=error if with_traceback else None)
+    info = record_job_failure(job_dir, error)
+    if tracking_uri is not None:
+        try:
+            mark_run_failed(tracking_uri, run_id, experiment=experiment, tags=tags,
+                            error=info["error"])
+        except Exception as mlflow_err:
+            log.warning("could not record the failed job in MLflow: %s", mlflow_err)
     return info
 
 

@@ -451,3 +451,27 @@ def log_text_artifact(logger: MLFlowLogger, text: str, artifact_path: str) -> No
         local = Path(tmp) / path.name
         local.write_text(text, encoding="utf-8")
         logger.experiment.log_artifact(logger.run_id, str(local), folder)
+
+
+def mark_run_failed(uri: str, run_id: str | None, *, experiment: str,
+                    tags: Mapping[str, str], error: str) -> str:
+    """Mark MLflow run ``run_id`` FAILED with its ``error`` tag (cut to 5,000 characters); with
+    no ``run_id`` (a job that failed before training made its run) make one in ``experiment``
+    with ``tags`` first, so that every job of a sweep is in MLflow. Returns the run's id."""
+    import mlflow
+
+    with store_lock(uri):
+        client = mlflow.MlflowClient(uri)
+        if run_id is None:
+            run_id = client.create_run(get_or_create_experiment(client, experiment),
+                                       tags=dict(tags)).info.run_id
+        client.set_tag(run_id, "error", error[:5000])
+        client.set_terminated(run_id, status="FAILED")
+    return run_id
+
+
+def mark_run_killed(uri: str, run_id: str) -> None:
+    """Mark MLflow run ``run_id`` KILLED (a job stopped by a signal, its last step saved)."""
+    import mlflow
+
+    mlflow.MlflowClient(uri).set_terminated(run_id, status="KILLED")

@@ -29,6 +29,7 @@ import json
 import logging
 import uuid
 from collections.abc import Mapping
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,11 +38,18 @@ import lightning as L
 from saopd.config.train import TrainConfig
 from saopd.io import write_json_atomic
 from saopd.lightning.checkpoints import read_checkpoint
-from saopd.lightning.runs import RESOLVED_CONFIG
+from saopd.lightning.runs import (
+    RESOLVED_CONFIG,
+    RunLock,
+    check_resume_config,
+    record_resume_changes,
+    schema_defaults,
+    write_training_config,
+)
 
 __all__ = ["CHECKPOINT_IDENTITY_KEY", "RUN_RECORD", "RunIdentity", "RunIdentityCallback",
-           "RunPlan", "claimed_by", "config_digest", "find_resume", "plan_run",
-           "read_run_record", "write_run_record"]
+           "RunPlan", "claimed_by", "config_digest", "find_resume", "open_run_folder",
+           "plan_run", "read_run_record", "resume_changes", "write_run_record"]
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +258,46 @@ def plan_run(conf: TrainConfig, config: Mapping[str, str], *,
     plan = _plan_resume(conf, config, ckpt, state)
     plan.step = int(state.get("global_step", 0))
     return plan
+
+
+def resume_changes(plan: RunPlan, conf: TrainConfig,
+                   config: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """What a resume changes on purpose (``conf.resume_changes``, and ``steps``): ``{key:
+    (recorded, now)}``; ``{}`` for a fresh run. ``ValueError`` names any other difference from
+    the config that trained the checkpoint (:func:`~saopd.lightning.runs.check_resume_config`)."""
+    if plan.checkpoint is None:
+        return {}
+    return check_resume_config(plan.recorded_config, config, (*conf.resume_changes, "steps"),
+                               schema_defaults(conf), source=plan.config_source)
+
+
+def open_run_folder(plan: RunPlan, config: Mapping[str, str],
+                    changes: Mapping[str, tuple[str, str]], *, writer: bool) -> ExitStack:
+    """Make the run folder and, in the process that writes it (``writer``: global rank 0),
+    lock it (:class:`~saopd.lightning.runs.RunLock`: one trainer per run) and write its
+    records: the training config (``config``) when the run is new, a copy, started from a
+    checkpoint, changed on purpose (``changes``) or has none yet; the identity record
+    :data:`RUN_RECORD` with the config's digest; the changes. Returns what releases the lock
+    (use it as a context manager). ``OSError`` (:class:`~saopd.lightning.runs.RunBusyError`
+    for a folder another process trains) or a failed write: nothing is left locked."""
+    folder = plan.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    held = ExitStack()
+    if not writer:
+        return held
+    held.callback(RunLock(folder).acquire().release)
+    try:
+        if plan.how in ("new", "copied", "from_checkpoint") or changes \
+                or not (folder / RESOLVED_CONFIG).is_file():
+            write_training_config(folder, config)
+        plan.identity.config_sha256 = config_digest(config)
+        write_run_record(folder, plan.identity)
+        if changes:
+            record_resume_changes(folder, changes)
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def _plan_resume(conf: TrainConfig, config: Mapping[str, str], ckpt: Path,

@@ -17,8 +17,12 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from saopd.config.train import TrainConfig
+from saopd.data_parallel import num_training_processes
+from saopd.lightning.callbacks import RolloutCallback, TokenViewCallback
 from saopd.lightning.checkpoints import CHECKSUM_SUFFIX, VerifiedCheckpointIO
-from saopd.rollout.registry import num_training_processes
+from saopd.lightning.runs import FiniteGuard, PreemptionCheckpoint
+from saopd.rollout.base import RolloutEngine, SamplingParams
+from saopd.rollout.registry import holds_weights
 
 __all__ = ["RunCheckpoint", "build_trainer", "checkpoint_callback", "data_parallel_size",
            "strategy"]
@@ -113,6 +117,27 @@ def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
                          save_last="link",
                          save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
                          auto_insert_metric_name=False)
+
+
+def training_callbacks(conf: TrainConfig, engine: RolloutEngine,
+                       out_dir: Path) -> list[L.Callback]:
+    """The run's own callbacks, in order: rollouts before each step (:class:`RolloutCallback`),
+    checkpoints, the finite guard, the preemption save, and the optional token views
+    (``trainer.view_every_n_steps``). The evaluation is the caller's
+    (:meth:`~saopd.lightning.callbacks.EvalCallback.from_config`): it reads the results."""
+    sampling = SamplingParams(n=conf.rollout.n, temperature=conf.rollout.temperature,
+                              top_p=conf.rollout.top_p, max_new_tokens=conf.rollout.max_new_tokens,
+                              seed=conf.seed)
+    callbacks: list[L.Callback] = [
+        RolloutCallback(engine, sampling, sync_weights=holds_weights(engine),
+                        async_steps=conf.rollout.async_steps),
+        checkpoint_callback(conf, out_dir),
+        FiniteGuard(temperature=conf.rollout.temperature),
+        PreemptionCheckpoint(out_dir / "checkpoints"),
+    ]
+    if conf.trainer.view_every_n_steps:
+        callbacks.append(TokenViewCallback(conf.trainer.view_every_n_steps, out_dir))
+    return callbacks
 
 
 def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
+from saopd.config.train import TrainConfig
 from saopd.models.loading import load_causal_lm, load_tokenizer, resolve_source
 from saopd.models.pruning import prune_layers
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
@@ -306,3 +307,20 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
         raise
     return ModelPair(student, None, tokenizer, teacher_tok, processor, vocab, scored,
                      teacher_source=source, teacher_source_owned=owned)
+
+
+def build_models(conf: TrainConfig) -> ModelPair:
+    """The run's pair from its config: both models (:func:`build_pair`) when the trainer scores
+    the teacher itself (``teacher_scoring=hf``), else the student and the teacher's tokenizer
+    and config only (:func:`build_student_for_service`), with the teacher's model folder for
+    ``teacher_scoring=vllm``. ``ValueError`` as those."""
+    ts = conf.teacher_scoring
+    if ts.backend == "hf":
+        return build_pair(conf.student, conf.teacher,
+                          chat_template_kwargs=conf.data.chat_template_kwargs,
+                          teacher_contexts=conf.teacher_contexts)
+    return build_student_for_service(conf.student, conf.teacher,
+                                     chat_template_kwargs=conf.data.chat_template_kwargs,
+                                     teacher_contexts=conf.teacher_contexts,
+                                     teacher_folder=ts.backend == "vllm",
+                                     folder_parent=ts.model_dir)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from saopd.choices import LONG_PROMPT_MODES
+from saopd.data_parallel import num_training_processes
 from saopd.registry import Registry
 from saopd.rollout.base import RolloutEngine
 from saopd.validation import check_choice, check_int
@@ -27,27 +28,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from saopd.config.rollout import RolloutConfig
+    from saopd.config.train import TrainConfig
+    from saopd.models.factory import ModelPair
 
-__all__ = ["ENGINES", "EngineSetup", "build_engine", "holds_weights", "num_training_processes"]
+__all__ = ["ENGINES", "EngineSetup", "build_engine", "build_run_engine", "holds_weights"]
 
 #: Rollout engine classes by config name (``hf``, ``vllm``).
 ENGINES: Registry[Any] = Registry("rollout engine")
-
-
-def num_training_processes(devices: Any, num_nodes: int = 1) -> int:
-    """Processes Lightning will start for ``trainer.devices`` x ``num_nodes`` (``auto`` / -1:
-    every visible GPU, one process on CPU)."""
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, (list, tuple)):
-        per_node = len(devices)
-    elif isinstance(devices, int) and devices > 0:
-        per_node = devices
-    else:  # "auto", -1
-        import torch
-
-        per_node = max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
-    return per_node * max(1, int(num_nodes))
 
 
 @dataclass(frozen=True)
@@ -101,3 +88,15 @@ def build_engine(conf: RolloutConfig, student: PreTrainedModel,
     it).
     """
     return ENGINES.get(conf.engine).from_config(conf, student, tokenizer, EngineSetup(**setup))
+
+
+def build_run_engine(conf: TrainConfig, pair: ModelPair) -> RolloutEngine:
+    """The rollout engine of a training run: ``conf.rollout`` sampling from the pair's student,
+    with the run's prompt limit (``data.max_prompt_length``, ``data.long_prompts``), seed,
+    chat-template variables and training processes (:class:`EngineSetup`)."""
+    return build_engine(
+        conf.rollout, pair.student, pair.tokenizer,
+        max_prompt_length=conf.data.max_prompt_length,
+        prompt_truncation="truncate" if conf.data.long_prompts == "truncate" else "error",
+        seed=conf.seed, devices=conf.trainer.devices, num_nodes=conf.trainer.num_nodes,
+        chat_template_kwargs=conf.data.chat_template_kwargs, processor=pair.processor)

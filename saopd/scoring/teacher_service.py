@@ -8,7 +8,8 @@ PendingTeacherScores`; its ``result()`` gives :class:`~saopd.scoring.passes.Teac
 :func:`~saopd.scoring.passes.score_frozen` takes the pending scores and
 :func:`~saopd.scoring.passes.score_student` waits for them only after the student's pass, so the
 teacher scores while the student's residual and full passes run. Backends
-(``teacher_scoring=<backend>``, :class:`~saopd.config.teacher_scoring.TeacherScoringConfig`):
+(``teacher_scoring=<backend>``, :class:`~saopd.config.teacher_scoring.TeacherScoringConfig`;
+built from a run's config by :func:`saopd.scoring.registry.build_scorer`):
 
 - ``hf`` (:class:`HFTeacherScorer`): the teacher's module in this process, chunked scoring
   (:func:`~saopd.scoring.passes.score_teacher`); exact, synchronous. The trainer's default path
@@ -61,7 +62,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -550,11 +551,3 @@ class VLLMServerTeacherScorer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-#: Factories by backend name, for :func:`saopd.train` (``teacher_scoring=<backend>``).
-SCORERS: dict[str, Callable[..., TeacherScorer]] = {
-    "hf": HFTeacherScorer,
-    "vllm": VLLMTeacherScorer,
-    "vllm_server": VLLMServerTeacherScorer,
-}

@@ -10,8 +10,10 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
 from saopd.config import to_train_config
+from saopd.config.teacher_scoring import TEACHER_SCORING_BACKENDS
 from saopd.filters import FILTERS, build_filter
 from saopd.objectives import OBJECTIVES, build_objective
+from saopd.scoring.registry import SCORERS
 from saopd.train import UserError, train
 from tests.conftest import REPO, compose_train
 
@@ -28,6 +30,23 @@ def test_registries_and_config_groups_are_in_step() -> None:
     assert set(names.values()) == set(FILTERS.names())
     assert names["sa_opd_flmr"] == "sa_opd"
     assert sorted(p.stem for p in (CONF / "objective").glob("*.yaml")) == OBJECTIVES.names()
+    # each teacher-scoring choice (a file named after its backend) has its factory
+    assert sorted(p.stem for p in (CONF / "teacher_scoring").glob("*.yaml")) == SCORERS.names()
+    assert sorted(TEACHER_SCORING_BACKENDS) == SCORERS.names()
+
+
+def test_a_variant_is_built_from_its_config_mapping() -> None:
+    conf = {"name": "sa_opd", "p1": 0.1, "p2": 0.4}
+    built = FILTERS.from_config(conf)
+    assert built.name == "sa_opd" and (built.p1, built.p2) == (0.1, 0.4)
+    assert conf == {"name": "sa_opd", "p1": 0.1, "p2": 0.4}  # the mapping is not consumed
+    assert OBJECTIVES.from_config({"name": "exopd"}).name == "exopd"
+    with pytest.raises(ValueError, match=r"unknown filter 'sa_opdd'; allowed: .*sa_opd"):
+        FILTERS.from_config({"name": "sa_opdd"})
+    with pytest.raises(ValueError, match=r"filter 'sa_opd' got unknown parameter\(s\) \['q1'\]"):
+        FILTERS.from_config({"name": "sa_opd", "q1": 0.2})
+    with pytest.raises(ValueError, match=r"a filter config needs a 'name'"):
+        FILTERS.from_config({"p1": 0.2})
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -218,7 +218,7 @@ def test_eval_before_the_first_step_and_after_the_last(tmp_path: Path, monkeypat
     it (same final weights as without), the last step is evaluated off the every-N grid, and
     ``saopd-train`` prints the first and last scores."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from saopd.train import _format_summary, train
+    from saopd.train import format_summary, train
     from tests.conftest import compose_train
 
     args = ("experiment=tiny", "steps=3", "eval.every_n_steps=2", "eval.limit=2",
@@ -252,7 +252,7 @@ def test_eval_before_the_first_step_and_after_the_last(tmp_path: Path, monkeypat
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
-    text = _format_summary(summary)
+    text = format_summary(summary)
     first, last = summary["eval"]["-1"], summary["eval"]["2"]
     assert "held-out (before training -> after step 3):" in text
     assert f"gsm8k/avg_at_1: {first['eval/gsm8k/avg_at_1']:.4g} -> " \

@@ -228,7 +228,7 @@ def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: 
     # sweeps run their jobs in one process
     import saopd.train as train_module
 
-    built, real = [], train_module.build_engine
+    built, real = [], train_module.build_run_engine
 
     class Closing:
         closed = False
@@ -253,9 +253,9 @@ def test_the_engine_is_closed_when_training_fails(make_cfg, monkeypatch, where: 
     def broken_logger(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(train_module, "build_engine", build)
+    monkeypatch.setattr(train_module, "build_run_engine", build)
     if where == "before_fit":  # the tracking set-up fails after the engine was built
-        monkeypatch.setattr(train_module, "_make_logger", broken_logger)
+        monkeypatch.setattr(train_module, "start_tracking", broken_logger)
     with pytest.raises(RuntimeError, match="boom"):
         train(make_cfg("experiment=tiny", "steps=1", mlflow=False),
               extra_callbacks=[Boom()] if where == "in_fit" else [])

@@ -27,17 +27,15 @@ class Recorder(L.Callback):
         self.staleness: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.responses.append([list(r.response_ids) for r in
-                               pl_module.last_rollouts.rollouts])
+        self.responses.append([list(r.response_ids) for r in batch.rollouts.rollouts])
         value = trainer.callback_metrics.get("train/rollout_staleness")
         self.staleness.append(float(value) if value is not None else -1.0)
 
 
 def _copy_engine(frozen: bool):
-    def build(conf: Any, student: Any, tokenizer: Any, **setup: Any) -> HFGenerateEngine:
-        engine = HFGenerateEngine(copy.deepcopy(student), tokenizer,
-                                  max_prompt_length=setup["max_prompt_length"],
-                                  prompt_truncation=setup["prompt_truncation"])
+    def build(conf: Any, pair: Any) -> HFGenerateEngine:
+        engine = HFGenerateEngine(copy.deepcopy(pair.student), pair.tokenizer,
+                                  max_prompt_length=conf.data.max_prompt_length)
         engine.holds_weights = True  # its own copy: synced after every step
         if frozen:  # never synced: samples from the initial weights at every step
             engine.load_weights = lambda named: None
@@ -46,26 +44,12 @@ def _copy_engine(frozen: bool):
 
 
 def _run(make_cfg, monkeypatch, *extra: str, frozen: bool = False) -> Recorder:
-    monkeypatch.setattr(train_module, "build_engine", _copy_engine(frozen))
+    monkeypatch.setattr(train_module, "build_run_engine", _copy_engine(frozen))
     recorder = Recorder()
     train(make_cfg("experiment=tiny", "steps=3", "rollout=vllm", "rollout.in_process=false",
                    "rollout.n=1", *extra, mlflow=False),
           extra_callbacks=[recorder])
     return recorder
-
-
-@pytest.fixture(autouse=True)
-def _keep_last_rollouts(monkeypatch):
-    """Keep each step's rollouts on the module (the training step consumes them)."""
-    from saopd.lightning.module import OPDModule
-
-    original = OPDModule.training_step
-
-    def step(self, batch, batch_idx):
-        self.last_rollouts = self.pending_rollouts
-        return original(self, batch, batch_idx)
-
-    monkeypatch.setattr(OPDModule, "training_step", step)
 
 
 BIG_STEPS = ("optim.lr=0.05", "optim.grad_clip=null")  # one step changes what is sampled

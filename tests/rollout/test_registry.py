@@ -24,9 +24,10 @@ import yaml
 
 from saopd.config import ROLLOUT_SCHEMAS, rollout_schema_name, to_train_config
 from saopd.config.rollout import HFRolloutConfig, RolloutConfig, VLLMRolloutConfig
+from saopd.data_parallel import num_training_processes
 from saopd.paths import conf_dir
 from saopd.rollout import ENGINES, HFGenerateEngine, SamplingParams
-from saopd.rollout.registry import build_engine, num_training_processes
+from saopd.rollout.registry import build_engine
 from saopd.rollout.vllm import ENGINE_OPTIONS, VLLMEngine
 from saopd.rollout.vllm_sync import canonical_weight_name, iter_full_tensor_buckets
 from tests.conftest import compose_train

@@ -406,9 +406,8 @@ class _Record:
         record = self
 
         class CB(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
-                view = pl_module.last_view
-                record.steps.append((view["filtered"].clone(),
+            def on_train_batch_end(self, trainer, pl_module, outputs, *args: Any) -> None:
+                record.steps.append((outputs["view"].filtered.clone(),
                                      float(trainer.callback_metrics["train/loss"])))
                 record.teacher = pl_module.teacher
 
@@ -486,8 +485,7 @@ def test_saopd_train_refuses_before_loading_models(make_cfg, monkeypatch, overri
     def never(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("models were built")
 
-    monkeypatch.setattr(train_mod, "build_student_for_service", never)
-    monkeypatch.setattr(train_mod, "build_pair", never)
+    monkeypatch.setattr(train_mod, "build_models", never)
     cfg = make_cfg("experiment=tiny", override, "teacher_scoring=vllm_server",
                    "teacher_scoring.urls=[http://127.0.0.1:9]", mlflow=False)
     with pytest.raises(train_mod.UserError, match=match):
