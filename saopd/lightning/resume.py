@@ -257,6 +257,8 @@ def plan_run(conf: TrainConfig, config: Mapping[str, str], *,
     state = read_checkpoint(ckpt, mmap=True)  # verified once here, once when Lightning loads it
     plan = _plan_resume(conf, config, ckpt, state)
     plan.step = int(state.get("global_step", 0))
+    log.info("resume (%s): %s at step %s, in %s", plan.how, plan.checkpoint, plan.step,
+             plan.folder)
     return plan
 
 
