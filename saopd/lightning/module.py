@@ -191,6 +191,22 @@ class OPDModule(L.LightningModule):
             opt, lambda s: cfg.lr_factor(s, self.total_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        """The optimizer's hyperparameters are the config's, also after a resume: Lightning
+        restores the checkpoint's param groups (lr, betas, eps, weight decay) and the schedule's
+        base rate, so a resume that changes them on purpose (``resume_changes=[optim.lr]``, or
+        ``steps`` for a decaying schedule) would otherwise go on with the old ones. On a fresh
+        run this changes nothing."""
+        cfg = self.optim_cfg
+        opt = self.optimizers(use_pl_optimizer=False)
+        scheduler = self.lr_schedulers()
+        step = scheduler.last_epoch  # optimizer steps taken (the schedule's position)
+        for group in opt.param_groups:
+            group.update(lr=cfg.lr * cfg.lr_factor(step, self.total_steps), initial_lr=cfg.lr,
+                         betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                         weight_decay=cfg.weight_decay)
+        scheduler.base_lrs = [cfg.lr] * len(opt.param_groups)
+
     def train(self, mode: bool = True) -> OPDModule:
         super().train(mode)
         for frozen in (self.teacher, self.reference):  # frozen models stay in eval mode
@@ -277,10 +293,9 @@ class OPDModule(L.LightningModule):
         if self.optim_cfg.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.optim_cfg.grad_clip,
                                 gradient_clip_algorithm="norm")
+        lr_used = float(opt.param_groups[0]["lr"])  # the rate this step's update uses
         opt.step()
-        scheduler = self.lr_schedulers()
-        lr_used = scheduler.get_last_lr()[0]  # the rate of this step, before the schedule moves
-        scheduler.step()
+        self.lr_schedulers().step()
 
         self._log_step(loss, signals, result, out.metrics, rollouts, ctx, started, lr_used,
                        teacher_wait=frozen.teacher_wait if pending is not None else None)

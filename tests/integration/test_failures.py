@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from saopd.config import to_train_config
 from saopd.lightning.checkpoints import read_checkpoint
 from saopd.train import UserError, train
 
@@ -34,6 +35,12 @@ def test_a_resume_with_another_method_is_refused_naming_the_keys(make_cfg) -> No
     again = _run(make_cfg, f"resume={run}", "steps=2", "optim.lr=0.5",
                  "resume_changes=[optim.lr]")
     assert again["steps"] == 2 and again["output_dir"] == run
+    # and the resumed step trains with it (the checkpoint's optimizer held the old rate)
+    optim = to_train_config(make_cfg("experiment=tiny", "optim.lr=0.5", mlflow=False)).optim
+    assert first["metrics"]["train/lr"] == pytest.approx(
+        to_train_config(make_cfg("experiment=tiny", mlflow=False)).optim.lr
+        * optim.lr_factor(0, 1), rel=1e-6)
+    assert again["metrics"]["train/lr"] == pytest.approx(0.5 * optim.lr_factor(1, 2), rel=1e-6)
     record = [json.loads(line) for line in
               (Path(run) / "saopd_resume_changes.jsonl").read_text().splitlines()]
     assert set(record[-1]["changes"]) == {"steps", "optim.lr"}
