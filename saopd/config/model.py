@@ -125,6 +125,16 @@ class ModelConfig:
             raise ValueError("model.planted applies to text models only")
 
     @property
+    def loads_as_is(self) -> bool:
+        """Whether the model is its files, unchanged (an HF folder or hub id): no tiny model,
+        pruning or GGUF file, which exist only once built. Only such a model can be served by
+        another program from where it is, and checked against its files."""
+        if self.name_or_path is None or self.tiny is not None or self.prune_every is not None \
+                or self.prune_keep is not None:
+            return False
+        return not str(self.name_or_path).lower().endswith(".gguf")
+
+    @property
     def is_vision(self) -> bool:
         """Whether this is a vision-language model (``vision`` or a tiny vision kind)."""
         return self.vision or self.tiny in TINY_VLM_KINDS

@@ -181,15 +181,6 @@ def scored_contexts(vocab: VocabularyReport, teacher_contexts: str, *, vision: b
     return scored
 
 
-def _servable_as_is(cfg: ModelConfig) -> bool:
-    """Whether the teacher's weights can be served from where they are (an HF folder or hub id,
-    unchanged): no tiny model, pruning, GGUF file or planted wrapper."""
-    if cfg.tiny is not None or cfg.prune_every is not None or cfg.prune_keep is not None:
-        return False
-    assert cfg.name_or_path is not None
-    return not str(cfg.name_or_path).lower().endswith(".gguf")
-
-
 def vllm_model_folder(location: str, parent: str | Path | None = None) -> tuple[str, bool]:
     """``(folder, owned)``: ``location`` as vLLM should load it. vLLM reads every
     ``*.safetensors`` file of a folder as weights, so a folder holding other safetensors files
@@ -248,7 +239,7 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
                          f"{teacher_cfg.is_vision})")
     processor = teacher_processor = None
     source, owned = None, False
-    if _servable_as_is(teacher_cfg):
+    if teacher_cfg.loads_as_is:
         assert teacher_cfg.name_or_path is not None
         location = resolve_source(teacher_cfg.name_or_path, None, kind="model").location
         config = _auto_config(location, teacher_cfg)

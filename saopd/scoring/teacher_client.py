@@ -55,8 +55,7 @@ def teacher_reference(teacher: ModelConfig) -> TeacherReference:
     from saopd.models.loading import resolve_source
 
     name = teacher.name_or_path
-    if (name is None or teacher.tiny is not None or teacher.prune_every is not None
-            or teacher.prune_keep is not None or str(name).lower().endswith(".gguf")):
+    if name is None or not teacher.loads_as_is:
         raise ValueError(
             "teacher_scoring=vllm_server checks that every server serves the teacher's weight "
             "files, which needs a teacher given as an HF folder or hub id (teacher.name_or_path; "

@@ -140,3 +140,17 @@ def test_missing_model_path_is_a_user_error(tmp_path: Path, monkeypatch) -> None
                         f"student.name_or_path={tmp_path / 'no_such_model'}", mlflow=False)
     with pytest.raises(UserError, match="no_such_model"):
         train(cfg)
+
+
+@pytest.mark.parametrize(("fields", "as_is"), [
+    ({"name_or_path": "Qwen/Qwen3-1.7B"}, True),
+    ({"name_or_path": "/models/teacher"}, True),
+    ({"name_or_path": "/models/teacher-Q4_K_M.GGUF"}, False),
+    ({"name_or_path": "Qwen/Qwen3-1.7B", "prune_every": 2}, False),
+    ({"name_or_path": "Qwen/Qwen3-1.7B", "prune_keep": [0, 3]}, False),
+    ({"tiny": "qwen3"}, False),
+])
+def test_a_model_loads_as_is_only_from_unchanged_files(fields: dict, as_is: bool) -> None:
+    from saopd.config.model import ModelConfig
+
+    assert ModelConfig(**fields).loads_as_is is as_is
