@@ -45,6 +45,7 @@ from saopd.lightning.resume import (
 from saopd.lightning.run_tracking import start_tracking
 from saopd.lightning.runs import NonFiniteError, training_config
 from saopd.lightning.trainer import build_trainer, training_callbacks
+from saopd.mlflow_ui import experiment_url
 from saopd.models.factory import build_models
 from saopd.objectives import OBJECTIVES
 from saopd.paths import conf_dir, register_resolvers
@@ -252,12 +253,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  checkpoint:  {summary['last_checkpoint']}",
     ]
     if "run_id" in summary:
-        lines += [
-            f"  MLflow:      {summary['tracking_uri']} (experiment "
-            f"'{summary['mlflow_experiment']}', run {summary['run_id']})",
-            f"  browse:      mlflow ui --backend-store-uri {summary['tracking_uri']} "
-            "--host 127.0.0.1",
-        ]
+        uri, exp_id = summary["tracking_uri"], summary.get("mlflow_experiment_id")
+        lines.append(f"  MLflow:      {uri} (experiment '{summary['mlflow_experiment']}', run "
+                     f"{summary['run_id']})")
+        if uri.startswith(("http://", "https://")):  # a tracking server is its own UI
+            lines.append(f"  browse:      {experiment_url(uri, exp_id)}")
+        else:  # the experiment's runs as charts, not MLflow 3's GenAI view (saopd.mlflow_ui)
+            lines += [f"  browse:      mlflow ui --backend-store-uri {uri} --host 127.0.0.1",
+                      f"               then {experiment_url('http://127.0.0.1:5000', exp_id)}"]
     shown = ("train/loss", "train/flmr", "train/filtered_ratio", "train/kl",
              "train/response_length", "train/step_time")
     lines.append("  last step:   " + ", ".join(

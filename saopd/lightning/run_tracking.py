@@ -41,6 +41,7 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
     record rewritten. Logged at once: the resume's deliberate ``changes`` (a tag), ``params``
     (extra parameters), and for a new MLflow run the resolved config ``cfg`` and the data
     counts (``data/<name>`` at step 0). Call it in the process that tracks (global rank 0).
+    The info also holds ``mlflow_experiment_id``, for the UI's address of the experiment.
     """
     if conf.logger.kind == "none":
         return [], {}
@@ -56,7 +57,8 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
             logger.log_metrics({f"data/{name}": float(value)}, step=0)
     ident = plan.identity
     return [logger], {"tracking_uri": ident.tracking_uri,
-                      "mlflow_experiment": ident.mlflow_experiment, "run_id": logger.run_id}
+                      "mlflow_experiment": ident.mlflow_experiment,
+                      "mlflow_experiment_id": logger.experiment_id, "run_id": logger.run_id}
 
 
 def _mlflow_logger(conf: TrainConfig, plan: RunPlan) -> tuple[Any, bool]:

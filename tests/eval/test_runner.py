@@ -253,6 +253,13 @@ def test_eval_before_the_first_step_and_after_the_last(tmp_path: Path, monkeypat
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
     text = format_summary(summary)
+    # the UI's address opens this experiment's runs in the model-training view
+    exp_id = client.get_run(summary["run_id"]).info.experiment_id
+    assert summary["mlflow_experiment_id"] == exp_id
+    assert (f"then http://127.0.0.1:5000/#/experiments/{exp_id}/runs?"
+            "workflowType=machine_learning&compareRunsMode=CHART") in text
+    served = format_summary({**summary, "tracking_uri": "http://10.0.0.5:5917/"})
+    assert f"browse:      http://10.0.0.5:5917/#/experiments/{exp_id}/runs?workflowType=" in served
     first, last = summary["eval"]["-1"], summary["eval"]["2"]
     assert "held-out (before training -> after step 3):" in text
     assert f"gsm8k/avg_at_1: {first['eval/gsm8k/avg_at_1']:.4g} -> " \
