@@ -185,7 +185,7 @@ class StepView:
     entropy_student: Any | None = None
 
 
-def step_record_from_view(view: StepView, tokenizer: Any | None, *, step: int,
+def step_record_from_view(view: StepView, tokenizer: Any | None, *, step: int | None = None,
                           filter_name: str | None = None,
                           max_rows: int | None = None) -> StepRecord:
     """A step record from the training step's :class:`StepView`.
@@ -193,10 +193,11 @@ def step_record_from_view(view: StepView, tokenizer: Any | None, *, step: int,
     Args:
         view: the step's tokens and signals.
         tokenizer: decodes each id into ``tokens``; ``None`` stores ids only.
-        step: 0-based step index.
+        step: 0-based step index; None (default): the view's own (:attr:`StepView.step`).
         filter_name: the filter's name.
         max_rows: keep only the first responses; ``None`` (default): the whole batch.
     """
+    step = view.step if step is None else step
     prompts = [prompt_text(m) for m in view.messages]
     if tokenizer is None:
         tokenizer = _IdsAsText()

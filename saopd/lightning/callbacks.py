@@ -168,7 +168,7 @@ class TokenViewCallback(L.Callback):
         path.write_text(html, encoding="utf-8")
         files = [(path, "token_view")]
         if self.save_records:
-            record = step_record_from_view(view, tok, step=step,
+            record = step_record_from_view(view, tok,
                                            filter_name=pl_module.token_filter.name,
                                            max_rows=self.record_rows)
             files.append((save_step_record(record, record_path(

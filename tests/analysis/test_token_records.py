@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -63,6 +64,8 @@ def test_prompt_text_handles_multimodal_content() -> None:
 def test_record_round_trip(tiny_tok, tmp_path: Path, compress: bool) -> None:
     view = _view(tiny_tok)
     rec = step_record_from_view(view, tiny_tok, step=7, filter_name="sa_opd")
+    # without a step, the record takes the view's own
+    assert step_record_from_view(dataclasses.replace(view, step=11), tiny_tok).step == 11
     assert [len(r.response_ids) for r in rec.responses] == view.valid.sum(-1).tolist()
     assert ["".join(r.tokens) for r in rec.responses] == TEXTS
     assert rec.responses[1].prompt == "<image>Add them."

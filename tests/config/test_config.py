@@ -11,8 +11,8 @@ from omegaconf.errors import ConfigKeyError
 
 from saopd.config import to_train_config
 from saopd.config.teacher_scoring import TEACHER_SCORING_BACKENDS
-from saopd.filters import FILTERS, build_filter
-from saopd.objectives import OBJECTIVES, build_objective
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES
 from saopd.scoring.registry import SCORERS
 from saopd.train import UserError, train
 from tests.conftest import REPO, compose_train
@@ -53,10 +53,8 @@ def test_a_variant_is_built_from_its_config_mapping() -> None:
 def test_every_experiment_composes_and_validates(experiment: str, tmp_path: Path) -> None:
     conf = to_train_config(compose_train(tmp_path, f"experiment={experiment}"))
     assert conf.experiment_name == experiment
-    params = dict(conf.filter)
-    build_filter(params.pop("name"), **params)  # hyperparameters are valid for the registry
-    params = dict(conf.objective)
-    build_objective(params.pop("name"), **params)
+    FILTERS.from_config(conf.filter)  # hyperparameters are valid for the registry
+    OBJECTIVES.from_config(conf.objective)
 
 
 def test_paper_math_setup_has_the_papers_hyperparameters(tmp_path: Path) -> None:

@@ -29,8 +29,8 @@ from saopd.config.rollout import HFRolloutConfig
 from saopd.contexts import context_builder
 from saopd.evaluate import CONF_DIR as EVAL_CONF_DIR
 from saopd.evaluate import eval_chat_template_kwargs
-from saopd.filters import build_filter
-from saopd.objectives import build_objective
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES
 from saopd.rollout.registry import build_engine
 from saopd.train import CONF_DIR
 from tests.conftest import compose_train
@@ -65,9 +65,8 @@ def study_jobs(study: str) -> list[list[str]]:
 
 
 def build_variants(conf: TrainConfig) -> tuple[Any, Any]:
-    """The filter and objective ``saopd-train`` builds from ``conf`` (as its ``_build_variant``)."""
-    filt, obj = dict(conf.filter), dict(conf.objective)
-    return build_filter(filt.pop("name"), **filt), build_objective(obj.pop("name"), **obj)
+    """The filter and objective ``saopd-train`` builds from ``conf`` (as ``train`` does)."""
+    return FILTERS.from_config(conf.filter), OBJECTIVES.from_config(conf.objective)
 
 
 def assert_extreme_follows_bound(cfg: DictConfig, where: str) -> None:
