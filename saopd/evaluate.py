@@ -3,6 +3,7 @@
     saopd-eval model=smollm2_135m_instruct benchmarks=[gsm8k] limit=50 k=1
     saopd-eval checkpoint=outputs/smollm2_gsm8k/<run>/checkpoints/last.ckpt     # a trained student
     saopd-eval run_id=<mlflow run id>      # the run's last checkpoint; results go into that run
+    saopd-eval run_id=<id> checkpoint=<run>/checkpoints/step_000100.ckpt   # one of its checkpoints
     saopd-eval model.name_or_path=Qwen/Qwen3-1.7B device=cuda rollout=vllm      # any hub model
     saopd-eval model=tiny_qwen3_5_vl benchmarks=[synth_vqa] k=1 limit=8          # a VLM
 
@@ -128,21 +129,29 @@ def load_checkpoint_student(ckpt: Path, model_cfg: ModelConfig, *, run_id: str |
     return model, tokenizer, step
 
 
-def _load_student(ckpt: Path, model_cfg: ModelConfig, *, run_id: str | None = None
-                  ) -> tuple[Any, Any, Any, int]:
+def _load_student(ckpt: Path, model_cfg: ModelConfig, *, run_id: str | None = None,
+                  owner_required: bool = False) -> tuple[Any, Any, Any, int]:
     """:func:`load_checkpoint_student` plus the processor of a vision-language student.
 
     ``run_id``: the MLflow run the results go to; a checkpoint that records another MLflow run
-    is refused (its scores would be logged into a run that did not train it)."""
+    is refused (its scores would be logged into a run that did not train it), and so is one
+    that records no MLflow run when ``owner_required`` (``checkpoint`` named beside
+    ``run_id``: nothing says that run trained it)."""
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint: no such file {ckpt}")
     # verified (checksum or stored digest, finite), weights only: no pickle payload runs
     state = read_checkpoint(ckpt)
     owner = state.get(CHECKPOINT_IDENTITY_KEY)
-    if run_id is not None and isinstance(owner, Mapping) and owner.get("run_id") != run_id:
-        raise ValueError(f"checkpoint {ckpt} was trained by MLflow run {owner.get('run_id')}, "
-                         f"not {run_id}: its scores would be logged into a run that did not "
-                         "train it")
+    recorded = owner.get("run_id") if isinstance(owner, Mapping) else None
+    if run_id is not None and isinstance(owner, Mapping) and recorded != run_id:
+        raise ValueError(f"checkpoint {ckpt} was trained by MLflow run {recorded}, not "
+                         f"{run_id}: its scores would be logged into a run that did not train "
+                         "it (give checkpoint= alone for a new eval run, or run_id= alone for "
+                         "that run's last.ckpt)")
+    if run_id is not None and owner_required and recorded is None:
+        raise ValueError(f"checkpoint {ckpt} records no MLflow run, so nothing says run "
+                         f"{run_id} trained it: give checkpoint= alone for a new eval run, or "
+                         "run_id= alone for that run's last.ckpt")
     cfg = _student_from_run(ckpt.parent.parent, model_cfg)
     model, tokenizer, processor = _build(cfg)
     student = {k[len("student."):]: v for k, v in state["state_dict"].items()
@@ -185,7 +194,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     step = 0
     tracking_uri = conf.tracking_uri
     ckpt = Path(conf.checkpoint) if conf.checkpoint else None
-    if conf.run_id:
+    if conf.run_id and ckpt is None:
         import mlflow
 
         client = mlflow.MlflowClient(tracking_uri)
@@ -194,7 +203,10 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
         folder = run.data.tags.get(FOLDER_TAG) or run.data.params["paths.output_dir"]
         ckpt = Path(folder) / "checkpoints" / "last.ckpt"
     if ckpt is not None:
-        model, tokenizer, processor, step = _load_student(ckpt, conf.model, run_id=conf.run_id)
+        # run_id and checkpoint both given: the named checkpoint, which must record that run
+        model, tokenizer, processor, step = _load_student(
+            ckpt, conf.model, run_id=conf.run_id,
+            owner_required=bool(conf.run_id and conf.checkpoint))
     else:
         model, tokenizer, processor = _build(conf.model)
     judge = load_judge(conf.mmifeval_judge)

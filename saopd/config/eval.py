@@ -86,7 +86,8 @@ class EvalConfig:
             and ``max_new_tokens`` must stay at their defaults.
         checkpoint: a saopd training checkpoint; its student weights are evaluated.
         run_id: an MLflow training run: its last checkpoint is evaluated and the results are
-            logged into that run.
+            logged into that run. With ``checkpoint`` too, that checkpoint is evaluated instead
+            (one of the run's earlier steps); it must record that MLflow run, else it is refused.
         benchmarks: registered benchmark names (``saopd.eval.benchmarks.BENCHMARKS``: gsm8k,
             math500, aime24, aime25, amc23, minerva_math, synth_vqa, evochart, mmifeval,
             countqa, mathvision, geo3k, mathvista).
