@@ -18,6 +18,16 @@ returns) drops, per metric key, values at steps <= the last step already in the 
 when it continues an existing run: the history keeps the first trajectory up to that step and
 continues with the resumed one after it. :func:`last_logged_step` reads that history.
 
+Tracking servers. MLflow's HTTP client retries a failed request 7 times with a doubling backoff
+and waits 120 s for each answer, so a dead server held a run for minutes per call.
+:func:`bound_http_retries` sets a smaller budget (:data:`HTTP_RETRY_BUDGET`: 3 retries, backoff
+factor 1, 15 s per answer: about 10 s for a server that refuses connections, about a minute for
+one that accepts them and never answers) unless the environment sets MLflow's own variables
+(``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``,
+``MLFLOW_HTTP_REQUEST_TIMEOUT``); :func:`check_tracking_server` asks ``GET <uri>/health`` before
+a run starts, and :func:`server_down` tells a run that failed whether its server stopped
+answering.
+
 Params. MLflow refuses to change a param's value once logged. :func:`log_resolved_config` (and the
 logger's ``log_hyperparams``) therefore skip params already logged with the same value and report,
 rather than fail on, params whose value changed (e.g. ``trainer.max_steps`` raised on resume); the
@@ -48,10 +58,13 @@ __all__ = [
     "CONFIG_ARTIFACT",
     "CONFIG_HASH_TAG",
     "FOLDER_TAG",
+    "HTTP_RETRY_BUDGET",
     "RUN_UID_TAG",
     "STORE_LOCK_TIMEOUT_S",
     "ResumableMLFlowLogger",
     "StoreLockTimeout",
+    "bound_http_retries",
+    "check_tracking_server",
     "default_tracking_uri",
     "flatten_params",
     "last_logged_step",
@@ -61,6 +74,7 @@ __all__ = [
     "log_text_artifact",
     "make_mlflow_logger",
     "read_run_tags",
+    "server_down",
     "store_lock",
     "store_lock_timeout",
 ]
@@ -96,6 +110,64 @@ STORE_LOCK_TIMEOUT_S = 120.0
 
 class StoreLockTimeout(TimeoutError):
     """The lock of a local MLflow store stayed held longer than the timeout."""
+
+
+#: MLflow's HTTP client settings saopd uses unless the environment sets them: at most 3 retries,
+#: 0, 2 and 4 s apart (plus up to 1 s of jitter each), and 15 s for each answer.
+HTTP_RETRY_BUDGET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                     "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+
+#: Seconds :func:`server_down` waits for ``GET /health``.
+HEALTH_TIMEOUT_S = 5.0
+
+
+def bound_http_retries() -> dict[str, str]:
+    """Set :data:`HTTP_RETRY_BUDGET` in this process's environment where the variable is unset
+    (MLflow reads them at every request, and jobs started from here inherit them); returns
+    the values in force."""
+    for name, value in HTTP_RETRY_BUDGET.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in HTTP_RETRY_BUDGET}
+
+
+def _is_server_uri(uri: str | None) -> bool:
+    return bool(uri) and str(uri).startswith(("http://", "https://"))
+
+
+def server_down(uri: str | None, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Why the MLflow tracking server at ``uri`` does not answer ``GET <uri>/health`` with 200
+    within ``timeout_s`` seconds (e.g. ``"Connection refused"``), None when it does or when
+    ``uri`` is not a server (``sqlite:``, ``postgresql:``, ...)."""
+    if not _is_server_uri(uri):
+        return None
+    import urllib.error
+    import urllib.request
+
+    health = str(uri).rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s) as reply:
+            return None if reply.status == 200 else f"HTTP {reply.status}"
+    except urllib.error.HTTPError as err:
+        return f"HTTP {err.code} from {health}"
+    except urllib.error.URLError as err:
+        reason = err.reason
+        return str(getattr(reason, "strerror", None) or reason)
+    except (OSError, ValueError) as err:  # a timeout, a reset connection, a malformed address
+        return str(err) or type(err).__name__
+
+
+def check_tracking_server(uri: str | None) -> None:
+    """Bound MLflow's HTTP retries (:func:`bound_http_retries`) and, for a server ``uri``
+    (``http(s)://``), check that it answers ``GET /health``; other stores pass.
+
+    Raises ``ValueError`` naming the URI and the reason when the server does not answer."""
+    bound_http_retries()
+    why = server_down(uri)
+    if why is not None:
+        raise ValueError(f"MLflow tracking server {uri} does not answer GET /health ({why}): "
+                         "start it (python -m saopd.tracking_server, or make mlflow-server) "
+                         "or set logger.tracking_uri to a running one")
 
 
 # ---- store and logger ---------------------------------------------------------------------------
@@ -146,6 +218,7 @@ class ResumableMLFlowLogger(MLFlowLogger):
 
     def __init__(self, *args: Any, skip_logged_steps: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._uri: str | None = kwargs.get("tracking_uri")
         self._resumed = self._run_id is not None  # continuing an existing run
         self._skip_logged_steps = skip_logged_steps
         self._logged_upto: dict[str, int | None] = {}  # metric key (as stored) -> last step
@@ -173,6 +246,16 @@ class ResumableMLFlowLogger(MLFlowLogger):
             if not metrics:
                 return
         super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        """Mark the run ended; a run that failed because its tracking server stopped answering
+        is left as it is (another round of retries would only delay the error)."""
+        if status == "failed" and server_down(self._uri) is not None:
+            log.warning("MLflow tracking server %s does not answer: run %s not marked failed",
+                        self._uri, self._run_id)
+            return
+        super().finalize(status)
 
     @rank_zero_only
     def log_hyperparams(self, params: Any) -> None:

@@ -39,7 +39,10 @@ never to the internet; MLflow accepts requests addressed to localhost and privat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -58,9 +61,11 @@ __all__ = [
     "build_parser",
     "main",
     "multi_node_launcher",
+    "port_taken",
     "server_command",
     "sqlite_refusal",
     "start_server",
+    "stop_server",
     "wait_until_up",
 ]
 
@@ -98,6 +103,28 @@ def server_command(*, backend_store_uri: str, artifacts_destination: str, host: 
     return [*cmd, *extra]
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why a server cannot listen on ``host:port`` (``"Address already in use"``: another
+    process listens there), None when it can.
+
+    Binds a socket there and closes it at once, as the server would bind (``SO_REUSEADDR``: a
+    port whose last connections are still closing counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            return err.strerror or str(err)
+    return None
+
+
+def _port_refusal(host: str, port: int, why: str) -> str:
+    return (f"cannot listen on {host}:{port} ({why}): another process holds port {port} (find "
+            f"it with `ss -ltnp 'sport = :{port}'`; another tracking server?); pick a free one "
+            "with --port")
+
+
 def wait_until_up(url: str, *, timeout_s: float = 120.0,
                   process: subprocess.Popen | None = None) -> None:
     """Poll ``<url>/health`` until the server answers 200.
@@ -127,15 +154,23 @@ def start_server(*, backend_store_uri: str, artifacts_destination: str | Path,
                  log_file: Path | None = None, timeout_s: float = 120.0) -> subprocess.Popen:
     """Start ``mlflow server`` in the background and return it once it answers.
 
-    Its output goes to ``log_file`` (else is discarded). The caller stops it
-    (``terminate()``); a server that fails to start is stopped and the error raised.
+    Its output goes to ``log_file`` (else is discarded). The server runs in a process group of
+    its own (``mlflow server`` starts uvicorn, a job runner and its consumers): the caller stops
+    them all with :func:`stop_server`; a server that fails to start is stopped and the error
+    raised. A port
+    another process listens on raises ``OSError`` naming it before anything starts (else the
+    other process's ``/health`` would pass for this server's).
     """
     cmd = server_command(backend_store_uri=backend_store_uri,
                          artifacts_destination=str(artifacts_destination), host=host,
                          port=port, workers=workers)
+    why = port_taken(host, port)
+    if why is not None:
+        raise OSError(_port_refusal(host, port, why))
     out = open(log_file, "wb") if log_file is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     finally:
         if log_file is not None:
             out.close()
@@ -143,10 +178,26 @@ def start_server(*, backend_store_uri: str, artifacts_destination: str | Path,
         wait_until_up(f"http://{_connect_host(host)}:{port}", timeout_s=timeout_s,
                       process=process)
     except BaseException:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_server(process)
         raise
     return process
+
+
+def stop_server(process: subprocess.Popen, *, kill: bool = False, timeout_s: float = 30.0
+                ) -> None:
+    """Stop a server of :func:`start_server` and every process it started.
+
+    ``SIGTERM`` to its process group (``kill``: ``SIGKILL``, as a crash would end it); once the
+    server has exited, or after ``timeout_s`` seconds, ``SIGKILL`` to what is left of the group
+    (signalling only ``mlflow server`` left uvicorn serving and the job runner's consumers
+    running)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=timeout_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=timeout_s)
 
 
 def _connect_host(host: str) -> str:
@@ -181,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Print how to use the server, then replace this process with ``mlflow server``.
 
-    Bad arguments exit with status 2 and one line naming the problem.
+    Bad arguments, and a port another process listens on, exit with status 2 and one line
+    naming the problem, before anything is printed of the server.
     """
     args_in = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -196,6 +248,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                              workers=args.workers, extra=extra)
     except ValueError as err:
         print(f"saopd tracking server: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    why = port_taken(args.host, args.port)
+    if why is not None:  # else uvicorn's refusal scrolls by and the banner names the other one
+        print(f"saopd tracking server: error: {_port_refusal(args.host, args.port, why)}",
+              file=sys.stderr)
         sys.exit(2)
     if "://" not in artifacts:
         Path(artifacts).expanduser().mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -42,7 +43,7 @@ from saopd.lightning.resume import (
     read_run_record,
     resume_changes,
 )
-from saopd.lightning.run_tracking import start_tracking
+from saopd.lightning.run_tracking import run_tracking_uri, start_tracking
 from saopd.lightning.runs import NonFiniteError, training_config
 from saopd.lightning.trainer import build_trainer, training_callbacks
 from saopd.mlflow_ui import experiment_url
@@ -54,7 +55,12 @@ from saopd.rollout.registry import build_run_engine
 from saopd.scoring.registry import build_scorer
 from saopd.scoring.teacher_service import TeacherServiceError, check_servable
 from saopd.sweeps import is_multirun, record_failed_job, run_tags
-from saopd.tracking import default_tracking_uri, mark_run_killed
+from saopd.tracking import (
+    check_tracking_server,
+    default_tracking_uri,
+    mark_run_killed,
+    server_down,
+)
 
 T = TypeVar("T")
 
@@ -100,6 +106,9 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     plan = _checked("resume", plan_run, conf, run_config, own_folder_only=is_multirun())
     changes = _checked("resume", resume_changes, plan, conf, run_config)
     zero = int(getattr(rank_zero_only, "rank", 0) or 0) == 0  # every DDP/FSDP rank runs this
+    uri = run_tracking_uri(conf, plan) if conf.logger.kind == "mlflow" else None
+    if zero:  # MLflow's HTTP retries bounded; a server that does not answer stops the run now
+        _checked("logger", check_tracking_server, uri)
     with ExitStack() as held:  # released in reverse: the scorer, the engine, the folder's lock
         held.enter_context(_checked("run", open_run_folder, plan, run_config, changes,
                                     writer=zero))
@@ -128,7 +137,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         trainer = _checked("trainer", build_trainer, conf, plan.folder, loggers=loggers, callbacks=[
             *training_callbacks(conf, engine, plan.folder), *([evals] if evals else []),
             RunIdentityCallback(plan.identity, run_config), *(extra_callbacks or [])])
-        _fit(trainer, module, data, plan.checkpoint)
+        _fit(trainer, module, data, plan.checkpoint, tracking_uri=uri, folder=plan.folder)
     summary = {"output_dir": str(plan.folder), "steps": trainer.global_step, **run_info,
                "last_checkpoint": str(plan.folder / "checkpoints" / "last.ckpt"),
                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -142,18 +151,43 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
 
 
 def _fit(trainer: L.Trainer, module: OPDModule, data: PromptDataModule,
-         checkpoint: Path | None) -> None:
+         checkpoint: Path | None, *, tracking_uri: str | None = None,
+         folder: Path | None = None) -> None:
     """``trainer.fit``; a fault of the user's or the machine's met in the loop is a
-    :class:`UserError` of one line (the traceback goes to the debug log)."""
+    :class:`UserError` of one line (the traceback goes to the debug log). A run whose tracking
+    server (``tracking_uri``) stopped answering says so, with the last step saved in ``folder``
+    and how to continue from it."""
     try:
         trainer.fit(module, datamodule=data, ckpt_path=str(checkpoint) if checkpoint else None)
     except NonFiniteError as err:
         raise UserError(str(err)) from None
     except TeacherServiceError as err:  # a teacher server failed mid-run: say which
         raise UserError(f"teacher_scoring: {err}") from None
-    except (ValueError, OSError) as err:  # a full disk, a checkpoint refused on load
+    except Exception as err:
         log.debug("training stopped", exc_info=True)
-        raise UserError(f"training stopped after {trainer.global_step} steps: {err}") from None
+        why = server_down(tracking_uri)
+        if why is not None and folder is not None:
+            raise UserError(
+                f"logger: MLflow tracking server {tracking_uri} stopped answering ({why}) "
+                f"after {trainer.global_step} steps; {saved_step(folder)}: once the server "
+                f"answers again, continue with saopd-train resume={folder} (or resume=auto "
+                "if it is the experiment's latest run)") from None
+        if isinstance(err, ValueError | OSError):  # a full disk, a checkpoint refused on load
+            raise UserError(f"training stopped after {trainer.global_step} steps: {err}"
+                            ) from None
+        raise
+
+
+def saved_step(folder: Path) -> str:
+    """Which step of run ``folder`` is saved: ``"step 5 is saved in <file>"`` (the file
+    ``checkpoints/last.ckpt`` points to), or ``"no step is saved yet"``."""
+    last = folder / "checkpoints" / "last.ckpt"
+    if not last.exists():
+        return "no step is saved yet"
+    target = last.resolve()
+    match = re.fullmatch(r"step_(\d+)\.ckpt", target.name)
+    return (f"step {int(match[1])} is saved in {target}" if match
+            else f"the last saved step is in {last}")
 
 
 def _use_threads(threads: int | None) -> None:

@@ -24,7 +24,7 @@ from saopd.tracking import (
     read_run_tags,
 )
 
-__all__ = ["start_tracking"]
+__all__ = ["run_tracking_uri", "start_tracking"]
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +61,17 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
                       "mlflow_experiment_id": logger.experiment_id, "run_id": logger.run_id}
 
 
+def run_tracking_uri(conf: TrainConfig, plan: RunPlan) -> str:
+    """The MLflow store a run logs to: ``logger.tracking_uri``, else the one its folder's record
+    names (a resumed run), else the repository's SQLite store."""
+    return (conf.logger.tracking_uri or plan.identity.tracking_uri
+            or default_tracking_uri(conf.paths.root))
+
+
 def _mlflow_logger(conf: TrainConfig, plan: RunPlan) -> tuple[Any, bool]:
     """The MLflow logger and whether its run is new (see :func:`start_tracking`)."""
     ident = plan.identity
-    uri = conf.logger.tracking_uri or ident.tracking_uri or default_tracking_uri(
-        conf.paths.root)
+    uri = run_tracking_uri(conf, plan)
     name = conf.logger.experiment_name or conf.experiment_name
     run_name = conf.logger.run_name or (
         f"{conf.experiment_name}-{conf.filter['name']}-{conf.objective['name']}-s{conf.seed}")

@@ -19,7 +19,7 @@ def free_port() -> int:
 def tracking_server(folder: Path) -> Iterator[str]:
     """``mlflow server`` (:func:`saopd.tracking_server.start_server`) on 127.0.0.1 over a fresh
     SQLite store and artifact folder in ``folder``; yields its URL, stops it on exit."""
-    from saopd.tracking_server import start_server
+    from saopd.tracking_server import start_server, stop_server
 
     port = free_port()
     process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
@@ -28,5 +28,4 @@ def tracking_server(folder: Path) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_server(process)

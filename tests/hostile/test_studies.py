@@ -5,15 +5,23 @@ cluster. Each case ended silently, in a raw traceback or in a hang before its fi
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from saopd.evaluate import run_eval
-from saopd.train import CONF_DIR, train
+from saopd.tracking_server import start_server, stop_server
+from saopd.train import CONF_DIR, UserError, train
+from tests.helpers.net import free_port
 
 FAST = ("experiment=tiny", "trainer.view_every_n_steps=0")
 REPO = Path(CONF_DIR).parent
@@ -52,3 +60,83 @@ def test_eval_of_a_run_id_and_a_checkpoint_scores_that_checkpoint_or_refuses(
     with pytest.raises(ValueError, match=rf"trained by MLflow run {other['run_id']}, not "
                                          rf"{first['run_id']}"):
         run_eval(_compose_eval(tmp_path, f"run_id={first['run_id']}", f"checkpoint={theirs}"))
+
+
+# ---- the tracking server: a taken port, nothing listening, a server that dies mid-run ---------
+
+def test_a_tracking_server_on_a_taken_port_refuses_before_its_banner(tmp_path: Path) -> None:
+    """Another process listens on the port: one line naming it, status 2, no banner (the banner
+    named a URI whose runs went into the other process's store)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "saopd.tracking_server", "--port", str(port),
+             "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+             "--artifacts-destination", str(tmp_path / "artifacts")],
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+        assert "runs log here" not in proc.stdout and "Traceback" not in proc.stderr
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            start_server(backend_store_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+                         artifacts_destination=tmp_path / "artifacts", port=port,
+                         timeout_s=60)
+
+
+def test_a_tracking_uri_where_nothing_listens_stops_the_run_at_once(make_cfg,
+                                                                    monkeypatch) -> None:
+    """logger.tracking_uri=http://... with no server: one error naming the URI within seconds,
+    before the models are built (MLflow's client retried for minutes)."""
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(UserError, match=rf"logger: MLflow tracking server {uri} does not "
+                                        r"answer GET /health \(Connection refused\)"):
+        train(make_cfg(*FAST, "steps=1", f"logger.tracking_uri={uri}"))
+    assert time.monotonic() - started < 30
+
+
+class KillServerAt(L.Callback):
+    """Stops the tracking server once ``step`` steps are done (their checkpoint saved)."""
+
+    def __init__(self, server: subprocess.Popen, step: int) -> None:
+        self.server, self.step = server, step
+        self.killed_at: float | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and self.killed_at is None:
+            stop_server(self.server, kill=True)  # uvicorn and the job runner with it
+            self.killed_at = time.monotonic()
+
+
+def test_a_tracking_server_that_dies_mid_run_stops_it_within_a_minute(make_cfg, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """The server is killed after step 2: within 60 s one error names the URI, the step saved
+    and the resume command (MLflow's client retried for 8 minutes, then 10 tracebacks)."""
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    port = free_port()
+    server = start_server(backend_store_uri=f"sqlite:///{tmp_path / 'server.db'}",
+                          artifacts_destination=tmp_path / "artifacts", port=port, workers=1,
+                          log_file=tmp_path / "server.log")
+    uri = f"http://127.0.0.1:{port}"
+    kill = KillServerAt(server, 2)
+    try:
+        with pytest.raises(UserError) as caught:
+            train(make_cfg(*FAST, "steps=6", f"logger.tracking_uri={uri}"),
+                  extra_callbacks=[kill])
+    finally:
+        stop_server(server, kill=True)
+    assert kill.killed_at is not None and time.monotonic() - kill.killed_at < 60
+    message = str(caught.value)
+    folder = tmp_path / "run"
+    assert message.startswith(f"logger: MLflow tracking server {uri} stopped answering")
+    assert f"step 2 is saved in {folder / 'checkpoints' / 'step_000002.ckpt'}" in message
+    assert f"saopd-train resume={folder}" in message and "resume=auto" in message
+    assert os.path.exists(folder / "checkpoints" / "step_000002.ckpt")
+
