@@ -20,7 +20,9 @@ failed, or lacks a metric, becomes a failed trial with the reason, and the searc
 (``max_failure_rate: 1.0``). When the search ends, :meth:`SearchObjectives.on_multirun_end`
 prints the best point (with two objectives: every Pareto-optimal trial), with each one's MLflow
 run and run folder, and saves it in ``<sweep dir>/best.json`` beside Optuna's
-``optimization_results.yaml``.
+``optimization_results.yaml``; a search where no trial completed ends the same way, with no best
+point and each trial's error (saopd's Optuna sweeper, :mod:`hydra_plugins.saopd_launchers.
+optuna_sweeper`, lets it end). ``hydra.sweeper.n_trials`` below 1 is refused at the start.
 
 The held-out problems choose the hyperparameters here: a score reported on the same problems
 afterwards is optimistic. Report the chosen point on fresh seeds (and, where the benchmark has
@@ -150,10 +152,14 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
                        "(hydra/sweeper=optuna), got " + str(sweeper.get("_target_")))
         else:
             directions = _directions(sweeper)
+            n_trials = sweeper.get("n_trials")
             if len(directions) != len(self.metrics):
                 problem = (f"hydra.sweeper.direction has {len(directions)} direction(s) "
                            f"{directions} for {len(self.metrics)} metric(s) {self.metrics} "
                            "(hydra.callbacks.search_objectives.metrics): one metric each")
+            elif isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
+                problem = (f"hydra.sweeper.n_trials={n_trials}: a search needs at least one "
+                           "trial (hydra.sweeper.n_trials=20)")
         if problem is not None:
             print(f"saopd-train: error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # Hydra turns a callback's exceptions into warnings
@@ -189,27 +195,38 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
             fh.write(json.dumps(row) + "\n")
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        """Print the best point(s) and save them in ``<sweep dir>/best.json``."""
+        """Print the best point(s) and save them in ``<sweep dir>/best.json``; a search where
+        no trial completed gets the same file (``best: []``) and a line per failed trial."""
         sweep_dir = Path(config.hydra.sweep.dir)
+        trials = _read_jsonl(sweep_dir / TRIALS_FILE)
+        failed = sum(t["status"] != "ok" for t in trials)
         try:
             points = best_trials(sweep_dir)
         except FileNotFoundError as err:
-            print(f"hparams search: no best point: {err}", flush=True)
-            return
+            if failed < len(trials) or not trials:  # it stopped before the sweeper's end
+                print(f"hparams search: no best point: {err}", flush=True)
+                return
+            points = []  # every trial failed: the sweeper wrote no results
         directions = _directions(config.hydra.sweeper)
-        trials = _read_jsonl(sweep_dir / TRIALS_FILE)
-        failed = sum(t["status"] != "ok" for t in trials)
         record = {"sweep_dir": str(sweep_dir.resolve()),
                   "objectives": [{"metric": m, "direction": d}
                                  for m, d in zip(self.metrics, directions, strict=True)],
                   "trials": len(trials), "failed": failed, "best": points}
+        sweep_dir.mkdir(parents=True, exist_ok=True)
         tmp = sweep_dir / (BEST_FILE + ".tmp")
         tmp.write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, sweep_dir / BEST_FILE)
         goal = ", ".join(f"{d} {m}" for m, d in zip(self.metrics, directions, strict=True))
+        lines = [f"hparams search: {len(trials)} trials ({failed} failed) in {sweep_dir}"]
+        if not points:
+            lines.append(f"  {goal}: no trial completed, so there is no best point")
+            lines += [f"  #{t['job']} {' '.join(t['overrides'])}: {t.get('error', '?')}"
+                      for t in trials if t["status"] != "ok"]
+            lines.append(f"  saved: {sweep_dir / BEST_FILE}")
+            print("\n".join(lines), flush=True)
+            return
         kind = "best trial" if len(points) == 1 else f"{len(points)} Pareto-optimal trials"
-        lines = [f"hparams search: {len(trials)} trials ({failed} failed) in {sweep_dir}",
-                 f"  {goal}: {kind}"]
+        lines.append(f"  {goal}: {kind}")
         for p in points:
             params = " ".join(f"{k}={_short(v)}" for k, v in p["params"].items())
             values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.metrics, p["values"],

@@ -5,6 +5,7 @@ cluster. Each case ended silently, in a raw traceback or in a hang before its fi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -140,3 +141,41 @@ def test_a_tracking_server_that_dies_mid_run_stops_it_within_a_minute(make_cfg, 
     assert f"saopd-train resume={folder}" in message and "resume=auto" in message
     assert os.path.exists(folder / "checkpoints" / "step_000002.ckpt")
 
+
+# ---- searches that cannot finish: no trials, every trial failed ------------------------------
+
+TRAIN = Path(sys.executable).with_name("saopd-train")
+
+
+def _search(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``saopd-train -m hparams_search=sa_opd`` on the tiny experiment from ``tmp_path``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SAOPD_ROOT", None)
+    return subprocess.run(
+        [str(TRAIN), "-m", "hparams_search=sa_opd", *FAST, "steps=1", "eval.every_n_steps=0",
+         "hydra.callbacks.search_objectives.metrics=[train/loss]",
+         "hydra.sweeper.direction=[minimize]", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", *args],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_a_search_of_no_trials_is_refused(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "hydra.sweeper.n_trials=0")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "saopd-train: error: hydra.sweeper.n_trials=0: a search needs at least one trial" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr and "No trials are completed" not in proc.stderr
+
+
+def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "hydra.sweeper.n_trials=2", f"data.path={tmp_path / 'none.jsonl'}")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "No trials are completed" not in proc.stderr
+    sweep = tmp_path / "sweep"
+    best = json.loads((sweep / "best.json").read_text())
+    assert best["trials"] == 2 and best["failed"] == 2 and best["best"] == []
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    assert summary["jobs"] == 2 and summary["failed"] == 2
+    assert "hparams search: 2 trials (2 failed)" in proc.stdout
+    assert "no trial completed, so there is no best point" in proc.stdout
+    assert proc.stdout.count("data.path: no such file") >= 2  # each trial's reason

@@ -1,0 +1,40 @@
+"""Hydra's Optuna sweeper, ending a search where no trial completed with its summary.
+
+Hydra's Optuna sweeper asks Optuna for the best trial once every trial has run; when none
+completed (every trial failed, each recorded as failed) Optuna raises ``ValueError: No trials
+are completed yet.``, and Hydra then skips its callbacks' end of the sweep: no
+``sweep_summary.json``, no ``best.json``, a raw traceback. This sweeper ends such a search like
+any other: the callbacks' ends run (:class:`saopd.search.SearchObjectives` records that there
+is no best point and lists why the trials failed; :class:`saopd.sweeps.SweepSummary` writes the
+sweep's summary and exits with status 1). ``conf/hparams_search/*.yaml`` name it as
+``hydra.sweeper._target_``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import (
+    OptunaSweeper as HydraOptunaSweeper,
+)
+
+log = logging.getLogger(__name__)
+
+#: Optuna's words when it is asked for the best trial of a study without a completed one.
+NO_COMPLETED_TRIAL = "No trials are completed yet"
+
+
+class OptunaSweeper(HydraOptunaSweeper):
+    """``hydra/sweeper=optuna`` whose search ends normally when no trial completed."""
+
+    def sweep(self, arguments: list[str]) -> Any:
+        """Run the search; a search whose every trial failed returns (its trials are recorded
+        as failed; the callbacks report them) instead of raising Optuna's ``ValueError``."""
+        try:
+            return super().sweep(arguments)
+        except ValueError as err:
+            if NO_COMPLETED_TRIAL not in str(err):
+                raise
+            log.warning("hparams search: no trial completed, so there is no best point")
+            return None
