@@ -33,7 +33,8 @@ class DataConfig:
         skip_bad: skip malformed rows (counted) instead of stopping at the first one.
         max_prompt_length: prompts whose rendered chat template is longer are ``skip``-ped
             (counted), raise (``error``), or are left-truncated when contexts are built
-            (``truncate``).
+            (``truncate``). With ``skip`` and ``error`` a rendering too long in characters to
+            fit (:func:`saopd.prompts.text.prompt_char_limit`) is not tokenized at all.
         shuffle: shuffle the prompt order (seeded per epoch).
         residual_remove: ``source: vision`` only: what the residual context removes from the
             prompt: ``all`` (images and question, the default), ``image`` (images only) or

@@ -16,7 +16,8 @@ reward-style metrics, a gold ``answer``; responses are sampled on-policy by the 
 - :class:`PromptSampler` shuffles with ``torch.Generator().manual_seed(seed + epoch)`` and keeps
   ``(epoch, position)`` so a run resumes at the exact next prompt, also mid-epoch.
 - :func:`filter_long_prompts` drops (or rejects) prompts whose chat-template rendering is longer
-  than ``max_prompt_length`` tokens.
+  than ``max_prompt_length`` tokens; a rendering too long in characters to fit
+  (:func:`prompt_char_limit`) is counted as too long without being tokenized.
 
 The vendored GSM8K files live in ``data/gsm8k`` (see its ``PROVENANCE.md``).
 """
@@ -36,7 +37,7 @@ from torch.utils.data import Dataset, Sampler
 from saopd.choices import LONG_PROMPT_MODES
 from saopd.config.data import GSM8K_INSTRUCTION
 from saopd.io import PathLike, iter_jsonl_objects
-from saopd.prompts.render import render_prompt_ids
+from saopd.prompts.render import longest_token_chars, render_prompt_text, rendered_ids
 from saopd.validation import check_choice
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ __all__ = [
     "gsm8k_records",
     "gsm8k_user_content",
     "load_jsonl",
+    "prompt_char_limit",
 ]
 
 logger = logging.getLogger(__name__)
@@ -378,6 +380,20 @@ class PromptSampler(Sampler[int]):
 # ------------------------------------------------------------------------------------- length
 
 
+#: Margin of :func:`prompt_char_limit` over the longest token: normalisers that merge characters
+#: (Unicode composition) make a token cover a few more characters of the raw text.
+CHAR_LIMIT_MARGIN = 4
+
+
+def prompt_char_limit(tokenizer: PreTrainedTokenizerBase, max_prompt_length: int) -> int:
+    """Characters above which a rendered prompt cannot fit ``max_prompt_length`` tokens:
+    ``CHAR_LIMIT_MARGIN`` x the longest vocabulary entry's characters
+    (:func:`~saopd.prompts.render.longest_token_chars`) x ``max_prompt_length``. Tokenizing a
+    text costs time in proportion to its length (minutes for a line of tens of megabytes), so
+    such a prompt is counted as too long without being tokenized."""
+    return CHAR_LIMIT_MARGIN * longest_token_chars(tokenizer) * max_prompt_length
+
+
 def filter_long_prompts(
     records: Sequence[PromptRecord],
     tokenizer: PreTrainedTokenizerBase,
@@ -389,11 +405,13 @@ def filter_long_prompts(
     """Drop prompts longer than ``max_prompt_length`` tokens.
 
     The length is that of the prompt as the rollout feeds it: the chat template rendered with the
-    generation prompt (:func:`saopd.contexts.text.render_prompt_ids`, ``chat_template_kwargs``
+    generation prompt (:func:`saopd.prompts.render.render_prompt_ids`, ``chat_template_kwargs``
     passed through). ``mode``: ``"skip"`` drops over-long records, ``"error"`` raises
     ``ValueError`` naming the first over-long record and the count, ``"truncate"`` keeps them all
     (the engine and the contexts cut them later; a warning gives the count). Returns
-    ``(records, n_skipped)``; ``n_skipped`` is 0 unless ``mode="skip"``.
+    ``(records, n_skipped)``; ``n_skipped`` is 0 unless ``mode="skip"``. In ``skip`` and
+    ``error`` modes a rendering longer than :func:`prompt_char_limit` characters is too long
+    without being tokenized (and counted with the others).
     """
     check_choice("mode", mode, LONG_PROMPT_MODES)
     if (
@@ -403,20 +421,21 @@ def filter_long_prompts(
     ):
         raise ValueError(f"max_prompt_length must be an int >= 1, got {max_prompt_length!r}")
     kept: list[PromptRecord] = []
-    too_long: list[tuple[str, int]] = []
+    too_long: list[tuple[str, str]] = []  # (id, its length as told)
+    char_limit = prompt_char_limit(tokenizer, max_prompt_length) if mode != "truncate" else None
     for rec in records:
-        n = len(
-            render_prompt_ids(
-                tokenizer,
-                rec.messages,
-                add_generation_prompt=True,
-                chat_template_kwargs=chat_template_kwargs,
-            )
-        )
-        if n > max_prompt_length:
-            too_long.append((rec.id, n))
+        text = render_prompt_text(tokenizer, rec.messages, add_generation_prompt=True,
+                                  chat_template_kwargs=chat_template_kwargs)
+        if char_limit is not None and len(text) > char_limit:
+            too_long.append((rec.id, f"{len(text):,} characters, not tokenized"))
             if mode == "skip":
                 continue
+        else:
+            n = len(rendered_ids(tokenizer, text))
+            if n > max_prompt_length:
+                too_long.append((rec.id, str(n)))
+                if mode == "skip":
+                    continue
         kept.append(rec)
     if too_long:
         first_id, first_n = too_long[0]

@@ -179,3 +179,40 @@ def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path: Path)
     assert "hparams search: 2 trials (2 failed)" in proc.stdout
     assert "no trial completed, so there is no best point" in proc.stdout
     assert proc.stdout.count("data.path: no such file") >= 2  # each trial's reason
+
+
+# ---- a prompt of megabytes -------------------------------------------------------------------
+
+class RecordingTokenizer:
+    """The real tokenizer, noting the longest text it was asked to tokenize."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer, self.longest = tokenizer, 0
+
+    def __call__(self, text: str, **kwargs: object) -> object:
+        self.longest = max(self.longest, len(text))
+        return self.tokenizer(text, **kwargs)  # type: ignore[operator]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tokenizer, name)
+
+
+def test_a_prompt_of_megabytes_is_skipped_and_counted_without_tokenizing(tmp_path: Path,
+                                                                       tiny_tok) -> None:
+    """One 5 MB JSON line among short prompts: counted with the prompts over
+    data.max_prompt_length, never tokenized (a 50 MB line held a run for minutes)."""
+    from saopd.config.data import DataConfig
+    from saopd.prompts.sources import load_prompts
+
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "answer": str(2 * i)} for i in range(3)]
+    rows.insert(1, {"id": "huge", "messages": [{"role": "user", "content": "7 " * 2_500_000}],
+                    "answer": "7"})
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = RecordingTokenizer(tiny_tok)
+    records, counts = load_prompts(DataConfig(source="prepared", path=str(path),
+                                              max_prompt_length=256), tok)
+    assert [r.id for r in records] == ["p0", "p1", "p2"]
+    assert counts == {"prompts_read": 4, "rows_skipped_bad": 0, "prompts_skipped_long": 1}
+    assert tok.longest < 100_000  # the short prompts only
