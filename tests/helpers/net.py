@@ -29,3 +29,38 @@ def tracking_server(folder: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(process)
+
+
+def is_loopback(ip: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4 loopback mapped into IPv6 (``::ffff:127.0.0.1``)."""
+    import ipaddress
+
+    addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+class RecordListeners:
+    """Hydra callback for tests: when the sweep ends (its Ray cluster still up), write the TCP
+    listeners of this process and every process under it to ``path`` as JSON rows
+    ``[address, port, process name]``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_multirun_end(self, config: object, **kwargs: object) -> None:
+        import json
+
+        import psutil
+
+        me = psutil.Process()
+        pids = {me.pid, *(p.pid for p in me.children(recursive=True))}
+        rows = []
+        for conn in psutil.net_connections("inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
+                try:
+                    name = psutil.Process(conn.pid).name()
+                except psutil.Error:
+                    name = "?"
+                rows.append([conn.laddr.ip, conn.laddr.port, name])
+        Path(self.path).write_text(json.dumps(rows))
