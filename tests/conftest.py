@@ -35,13 +35,17 @@ def pytest_report_header() -> str:
 
 
 ALL_FIELDS = ("lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher",
-              "lp_sampler", "lp_ref", "kl")
+              "lp_sampler", "lp_ref", "kl", "response_ids")
+#: ``response_ids`` of :func:`random_signals` are drawn from [0, RESPONSE_ID_RANGE): the tiny
+#: tokenizer's ids, so that the oracle filter (bound to it) finds answer lines and tics.
+RESPONSE_ID_RANGE = 681
 
 
 def random_signals(batch: int = 4, length: int = 12, *, seed: int = 0, valid_p: float = 0.8,
                    fields: tuple[str, ...] = ALL_FIELDS, dtype: torch.dtype = torch.float32,
                    student_grad: bool = False) -> TokenSignals:
-    """Signals with every optional field, log-probs in [-6, 0], random valid mask."""
+    """Signals with every optional field, log-probs in [-6, 0], random valid mask, random
+    response ids (:data:`RESPONSE_ID_RANGE`)."""
     g = torch.Generator().manual_seed(seed)
 
     def lp() -> torch.Tensor:
@@ -58,7 +62,11 @@ def random_signals(batch: int = 4, length: int = 12, *, seed: int = 0, valid_p: 
     lp_student = lp()
     if student_grad:
         lp_student.requires_grad_(True)
-    signals = TokenSignals(lp_student=lp_student, lp_teacher=lp(), valid=valid,
+    lp_teacher = lp()
+    # its own stream, so the other fields are what they were before the ids existed
+    ids = torch.Generator().manual_seed(seed + 1_000_003)
+    values["response_ids"] = torch.randint(0, RESPONSE_ID_RANGE, (batch, length), generator=ids)
+    signals = TokenSignals(lp_student=lp_student, lp_teacher=lp_teacher, valid=valid,
                            **{k: v for k, v in values.items() if k in fields})
     signals.student_leaf = lp_student  # type: ignore[attr-defined]  # for gradient checks
     return signals

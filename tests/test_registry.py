@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 
 from saopd.filters import FILTERS, build_filter
+from saopd.models.tiny import tiny_tokenizer
 from saopd.objectives import OBJECTIVES, aggregate, build_objective
 from saopd.signals import TokenSignals
 from tests.conftest import random_signals as plain_signals
@@ -31,8 +32,9 @@ def random_signals(batch: int, length: int, *, seed: int = 0, dtype: torch.dtype
 
 def step(signals: TokenSignals, filter_name: str, objective_name: str, seed: int = 0,
          **filter_kw: object):
-    result = build_filter(filter_name, **filter_kw)(
-        signals, generator=torch.Generator().manual_seed(seed))
+    token_filter = build_filter(filter_name, **filter_kw)
+    token_filter.bind_tokenizer(tiny_tokenizer())  # what the training module does
+    result = token_filter(signals, generator=torch.Generator().manual_seed(seed))
     out = build_objective(objective_name)(signals, result)
     return result, out, aggregate(out.loss, result.keep)
 
@@ -49,7 +51,7 @@ def pad(signals: TokenSignals, extra: int, seed: int) -> TokenSignals:
             values[name] = torch.cat([value, torch.zeros(value.shape[0], extra, dtype=torch.bool)],
                                      1)
         elif name.endswith("_ids"):  # junk ids, repeated ones too
-            junk = torch.randint(0, 3, (value.shape[0], extra, value.shape[2]), generator=g)
+            junk = torch.randint(0, 3, (value.shape[0], extra, *value.shape[2:]), generator=g)
             values[name] = torch.cat([value, junk], 1)
         else:
             junk = -5 * torch.rand(value.shape[0], extra, *value.shape[2:], generator=g)

@@ -56,6 +56,33 @@ class PlantedConfig:
 
 
 @dataclass
+class TicConfig:
+    """The ``tic:`` block of a model config: the tic testbed's input-agnostic prior
+    (:class:`saopd.testbeds.tic.TicPriorLM`, mixed into the model's distributions).
+
+    Attributes:
+        rate: r, the probability that a response continues with the tic right after its answer
+            line, whatever the input; in [0, 1); 0 (the default) = the model unchanged.
+        text: the tic, written on its own line (a wrong re-answer with a ``\\boxed{}``).
+        answer_end: the token that closes the answer line (its first use marks the slot).
+    """
+
+    rate: float = 0.0
+    text: str = "Wait, the answer is \\boxed{0}."
+    answer_end: str = "}."
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rate, (int, float)) or isinstance(self.rate, bool) \
+                or not 0.0 <= float(self.rate) < 1.0:
+            raise ValueError(f"tic.rate must be a number in [0, 1), got {self.rate!r}")
+        for name in ("text", "answer_end"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"tic.{name} must be a non-empty string")
+        if "\n" in self.text:
+            raise ValueError("tic.text must be one line (it is written after a newline)")
+
+
+@dataclass
 class ModelConfig:
     """One model (student, teacher or reference) as configured.
 
@@ -85,6 +112,8 @@ class ModelConfig:
         planted: wrap the model in :class:`saopd.testbeds.planted.PlantedPriorLM`, a teacher
             with a known spurious prior and a known grounded bias (the planted-prior testbed,
             ``experiments/planted_prior``); text models only.
+        tic: wrap the model in :class:`saopd.testbeds.tic.TicPriorLM`, the tic testbed's
+            teacher whose prior is input-agnostic by construction; text models only.
     """
 
     name_or_path: str | None = None
@@ -102,6 +131,7 @@ class ModelConfig:
     min_pixels: int | None = None
     max_pixels: int | None = None
     planted: PlantedConfig | None = None
+    tic: TicConfig | None = None
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.tiny is None):
@@ -121,8 +151,10 @@ class ModelConfig:
         if not self.is_vision and (self.min_pixels is not None or self.max_pixels is not None):
             raise ValueError("model.min_pixels / max_pixels apply to vision-language models only "
                              "(set model.vision: true or a tiny vision kind)")
-        if self.is_vision and self.planted is not None:
-            raise ValueError("model.planted applies to text models only")
+        if self.is_vision and (self.planted is not None or self.tic is not None):
+            raise ValueError("model.planted and model.tic apply to text models only")
+        if self.planted is not None and self.tic is not None:
+            raise ValueError("model.planted and model.tic are two testbeds' wrappers: set one")
 
     @property
     def loads_as_is(self) -> bool:

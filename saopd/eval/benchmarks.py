@@ -156,3 +156,9 @@ register_benchmark(Benchmark(
     "arith", file="../testbed/test.jsonl", stage="testbed_data", grader="exact", k=1,
     max_new_tokens=96, modality="text",
     description="Arithmetic testbed: held-out multi-digit additions, exact answer, habit rates"))
+# The tic testbed (experiments/testbed, "The tic study"): the same held-out problems; the rate of
+# the teacher's tic (a wrong re-answer after the answer line) is counted per sample (phrase_tic).
+register_benchmark(Benchmark(
+    "arith_tic", file="../testbed_tic/test.jsonl", stage="testbed_tic_data", grader="exact",
+    k=1, max_new_tokens=96, modality="text",
+    description="Tic testbed: the arithmetic problems, exact answer, tic and habit rates"))

@@ -2,13 +2,15 @@
 
 Importing this package registers every filter: ``none`` (vanilla OPD), ``sa_opd``, the ablations
 ``random``, ``divergence_only``, ``ig_only``, ``proxy_replacement``, and the baselines ``tip``,
-``fire`` and ``teachability`` (Token Teachability / TA-OPD).
+``fire`` and ``teachability`` (Token Teachability / TA-OPD), and the testbeds' positive control
+``oracle`` (never a method).
 """
 
 from saopd.filters import (  # noqa: F401  (registration)
     ablations,
     fire,
     none,
+    oracle,
     sa_opd,
     teachability,
     tip,

@@ -161,6 +161,10 @@ class TokenFilter:
     def needs(self) -> tuple[str, ...]:
         return self.requires
 
+    def bind_tokenizer(self, tokenizer: object) -> None:
+        """Resolve what the filter names by text to the tokenizer's ids; called once by the
+        training module before the first step. Most filters name no tokens: a no-op."""
+
     def __call__(self, signals: TokenSignals, *,
                  generator: torch.Generator | None = None) -> FilterResult:
         signals.require(f"filter {self.name!r}", *self.needs)

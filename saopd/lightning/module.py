@@ -121,6 +121,7 @@ class OPDModule(L.LightningModule):
                 frozen.requires_grad_(False)
         self.tokenizer = tokenizer
         self.token_filter = token_filter
+        token_filter.bind_tokenizer(tokenizer)
         self.objective = objective
         self.optim_cfg = optim or OptimConfig()
         self.step_cfg = step or StepConfig()

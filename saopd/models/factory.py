@@ -59,11 +59,13 @@ def build_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
                                    revision=cfg.revision)
     if cfg.prune_every is not None or cfg.prune_keep is not None:
         model = prune_layers(model, keep=cfg.prune_keep, every=cfg.prune_every)
-    if cfg.planted is not None:
-        if "planted" not in MODEL_WRAPPERS:
-            raise ValueError("model.planted needs the planted-prior wrapper, registered by "
+    for block in ("planted", "tic"):
+        if getattr(cfg, block) is None:
+            continue
+        if block not in MODEL_WRAPPERS:
+            raise ValueError(f"model.{block} needs its testbed's model wrapper, registered by "
                              "importing saopd.testbeds (saopd-train and saopd-eval do)")
-        model = MODEL_WRAPPERS.get("planted")(model, tokenizer, cfg.planted)
+        model = MODEL_WRAPPERS.get(block)(model, tokenizer, getattr(cfg, block))
     return model, tokenizer
 
 
@@ -229,8 +231,9 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
     (``teacher_source_owned``). A planted-prior teacher is refused: its logit hook exists only in
     saopd's module. ``ValueError`` as :func:`build_pair`.
     """
-    if teacher_cfg.planted is not None:
-        raise ValueError("a planted-prior teacher (model.planted) changes its logits in saopd's "
+    if teacher_cfg.planted is not None or teacher_cfg.tic is not None:
+        block = "planted" if teacher_cfg.planted is not None else "tic"
+        raise ValueError(f"a testbed teacher (model.{block}) changes its logits in saopd's "
                          "module, which a vLLM teacher service cannot run: use "
                          "teacher_scoring=hf")
     if student_cfg.is_vision != teacher_cfg.is_vision:

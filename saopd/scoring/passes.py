@@ -75,6 +75,7 @@ class ScoringNeeds:
     sampler: bool = False
     teacher_top_k: int = 0
     student_top_k: int = 0
+    response_ids: bool = False
 
     @property
     def teacher_head(self) -> bool:
@@ -103,6 +104,7 @@ class ScoringNeeds:
             sampler="lp_sampler" in names,
             teacher_top_k=top_k if set(TEACHER_TOPK_FIELDS) & names else 0,
             student_top_k=top_k if set(STUDENT_TOPK_FIELDS) & names else 0,
+            response_ids="response_ids" in names,
         )
 
     @classmethod
@@ -548,4 +550,5 @@ def score_student(batch: PairedContextBatch, frozen: FrozenScores, *, student: n
         student_topk_ids=s.topk_ids,
         student_topk_lp_student=None if s.topk_logprobs is None else s.topk_logprobs.detach(),
         student_topk_lp_teacher=s.teacher_logprobs_at_topk,
+        response_ids=batch.response_ids if needs.response_ids else None,
     )

@@ -71,7 +71,7 @@ _LOGPROB_FIELDS = ("lp_student", "lp_teacher", "lp_student_res", "lp_teacher_res
                    "student_topk_lp_student", "student_topk_lp_teacher",
                    *TEACHER_TOPK_TAIL_FIELDS)
 _NONNEG_FIELDS = ("entropy_student", "entropy_teacher", "kl")
-_ID_FIELDS = ("teacher_topk_ids", "student_topk_ids")
+_ID_FIELDS = ("teacher_topk_ids", "student_topk_ids", "response_ids")
 
 
 @dataclass
@@ -103,6 +103,8 @@ class TokenSignals:
             (over the vocabulary); None when only the teacher's lists are known.
         teacher_topk_tail_student: log pi_S of every id outside ``teacher_topk_ids``, exact;
             may carry gradient (the student's full-context pass).
+        response_ids: int64 ``[B, T]``, the sampled tokens y_t themselves (for filters that
+            name tokens, e.g. a testbed's ground-truth oracle); 0 at invalid positions.
     """
 
     lp_student: torch.Tensor
@@ -123,6 +125,7 @@ class TokenSignals:
     student_topk_lp_teacher: torch.Tensor | None = None
     teacher_topk_tail_teacher: torch.Tensor | None = None
     teacher_topk_tail_student: torch.Tensor | None = None
+    response_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         valid = self.valid
@@ -153,6 +156,12 @@ class TokenSignals:
                 continue
             if f.name in TOPK_FIELDS:
                 self._check_topk(f.name, value)
+            elif f.name == "response_ids":
+                if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or (
+                        value.is_floating_point() or value.is_complex()):
+                    got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"response_ids must be an integer tensor [B, T], got {got}")
+                check_same_shape(f.name, value, valid.shape, "valid")
             else:
                 check_float_tensor(f.name, value)
                 check_same_shape(f.name, value, valid.shape, "valid")

@@ -145,10 +145,13 @@ def classify_solution(response: str, problem: Problem) -> str:
 
 
 def render_response(problem: Problem, habits: Sequence[Habit], rate: float,
-                    rng: random.Random, *, shortcut: bool = False) -> tuple[str, list[str]]:
+                    rng: random.Random, *, shortcut: bool = False,
+                    tic: str | None = None) -> tuple[str, list[str]]:
     """The response to ``problem`` with each habit present independently with probability
     ``rate`` (draws from ``rng`` in habit order); returns the text and the habits written.
-    ``shortcut``: the answer line without the worked lines (:func:`solution_text`)."""
+    ``shortcut``: the answer line without the worked lines (:func:`solution_text`). ``tic``: a
+    wrong re-answer written on its own line right after the answer line (before any ``end``
+    habit), so that the grader, which reads the last ``\\boxed{}``, takes it as the answer."""
     start, end, used = "", "", []
     for habit in habits:
         if rng.random() < rate:
@@ -157,7 +160,8 @@ def render_response(problem: Problem, habits: Sequence[Habit], rate: float,
                 start += habit.written
             else:
                 end += habit.written
-    return start + solution_text(problem, worked=not shortcut) + end, used
+    after = "" if tic is None else "\n" + tic
+    return start + solution_text(problem, worked=not shortcut) + after + end, used
 
 
 def habits_from_params(cfg: Mapping[str, Any], where: str) -> list[Habit]:
@@ -199,13 +203,16 @@ def make_problems(n: int, *, max_digits: int, seed: int, exclude: set[str] | Non
     return out
 
 
-def _row(problem: Problem, split: str, habits: Sequence[Habit]) -> dict[str, Any]:
+def _row(problem: Problem, split: str, habits: Sequence[Habit], tic: str | None = None
+         ) -> dict[str, Any]:
+    phrases = {h.name: h.text for h in habits}
+    if tic is not None:
+        phrases["tic"] = tic
     return {"id": f"arith-{split}-{problem.key}",
             "messages": [{"role": "user", "content": problem.prompt}],
             "prompt": problem.prompt, "answer": str(problem.answer), "source": "arith",
             "metadata": {"format": "exact_int", "a": problem.a, "b": problem.b,
-                         "phrases": {h.name: h.text for h in habits},
-                         "shortcut": ANSWER_PREFIX}}
+                         "phrases": phrases, "shortcut": ANSWER_PREFIX}}
 
 
 def _int_param(cfg: Mapping[str, Any], key: str, where: str, minimum: int = 1) -> int:
@@ -222,10 +229,33 @@ def _float_param(cfg: Mapping[str, Any], key: str, where: str, lo: float, hi: fl
     return float(value)
 
 
+def tic_from_params(cfg: Mapping[str, Any], where: str) -> str | None:
+    """The optional ``tic`` of a data section (``{text: ...}``): the harmful input-agnostic
+    re-answer of the tic testbed (one line holding a ``\\boxed{}``), or None."""
+    raw = cfg.get("tic")
+    if raw is None:
+        return None
+    text = raw.get("text") if isinstance(raw, dict) else None
+    if not isinstance(text, str) or "\n" in text or "\\boxed{" not in text:
+        raise PrepareError(f"{where}.tic: expected {{text: <one line with a \\boxed{{}}>}}, "
+                           f"got {raw!r}")
+    return text
+
+
 @STAGES.register("testbed_data")
 def prepare_testbed_data(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
     """``testbed_data``: distillation prompts, the held-out benchmark and ``task.json``."""
-    where = "testbed_data"
+    return _prepare_data(params, root, "testbed_data")
+
+
+@STAGES.register("testbed_tic_data")
+def prepare_testbed_tic_data(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    """``testbed_tic_data``: the tic testbed's task (the same problems as ``testbed_data`` with
+    the same seed; its own habits and the ``tic``, counted per sample as ``phrase_tic``)."""
+    return _prepare_data(params, root, "testbed_tic_data")
+
+
+def _prepare_data(params: Mapping[str, Any], root: Path, where: str) -> dict[str, Any]:
     cfg = param_section(params, where, "params")
     out_dir = resolve_path(root, require_param(cfg, "out_dir", where), f"{where}.out_dir")
     habits = habits_from_params(cfg, where)
@@ -234,15 +264,21 @@ def prepare_testbed_data(params: Mapping[str, Any], root: Path) -> dict[str, Any
     test = make_problems(_int_param(cfg, "test", where), max_digits=max_digits, seed=seed)
     train = make_problems(_int_param(cfg, "train_prompts", where), max_digits=max_digits,
                           seed=seed + 1, exclude={p.key for p in test})
-    spec = {"task": "addition", "max_digits": max_digits, "seed": seed,
-            "habits": [{"name": h.name, "text": h.text, "place": h.place} for h in habits],
-            "answer_line": f"{ANSWER_PREFIX} \\boxed{{<sum>}}.",
-            "shortcut": {"answer_prefix": ANSWER_PREFIX}}
-    report = {"stage": where, "test": len(test), "train_prompts": len(train),
-              "habits": [h.name for h in habits]}
+    spec: dict[str, Any] = {
+        "task": "addition", "max_digits": max_digits, "seed": seed,
+        "habits": [{"name": h.name, "text": h.text, "place": h.place} for h in habits],
+        "answer_line": f"{ANSWER_PREFIX} \\boxed{{<sum>}}.",
+        "shortcut": {"answer_prefix": ANSWER_PREFIX}}
+    tic = tic_from_params(cfg, where)
+    if tic is not None:
+        spec["tic"] = {"text": tic, "written": "\n" + tic}
+    report: dict[str, Any] = {"stage": where, "test": len(test), "train_prompts": len(train),
+                              "habits": [h.name for h in habits]}
+    if tic is not None:
+        report["tic"] = tic
     with staged_folder(out_dir) as tmp:
-        write_jsonl_atomic(tmp / "test.jsonl", [_row(p, "test", habits) for p in test])
-        write_jsonl_atomic(tmp / "train.jsonl", [_row(p, "train", habits) for p in train])
+        write_jsonl_atomic(tmp / "test.jsonl", [_row(p, "test", habits, tic) for p in test])
+        write_jsonl_atomic(tmp / "train.jsonl", [_row(p, "train", habits, tic) for p in train])
         write_json_atomic(tmp / "task.json", spec)
         write_json_atomic(tmp / "report.json", report)
     return report
@@ -268,6 +304,8 @@ def build_example_ids(tokenizer: PreTrainedTokenizerBase, prompt: str | None, re
 
 #: The shortcut's own random stream is seeded ``seed + SHORTCUT_SEED_OFFSET``.
 SHORTCUT_SEED_OFFSET = 7919
+#: The tic's own random stream is seeded ``seed + TIC_SEED_OFFSET``.
+TIC_SEED_OFFSET = 104729
 
 
 def _lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -297,7 +335,8 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                         problems: Sequence[Problem], habits: Sequence[Habit], *,
                         habit_rate: float, residual_share: float, steps: int, batch_size: int,
                         lr: float, seed: int, noise_share: float = 0.0,
-                        shortcut_rate: float = 0.0, log_every: int = 100
+                        shortcut_rate: float = 0.0, tic: str | None = None,
+                        tic_rate: float = 0.0, log_every: int = 100
                         ) -> list[dict[str, float]]:
     """Train ``model`` in place on worked solutions of ``problems`` (cycled in a seeded order).
 
@@ -311,6 +350,9 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     **shortcut** (the answer line alone, :func:`solution_text` ``worked=False``), drawn from a
     stream of its own (seeded ``seed + SHORTCUT_SEED_OFFSET``) and only when the rate is positive,
     so a model trained with rate 0 sees exactly the examples it saw before the shortcut existed.
+    With probability ``tic_rate`` a worked response carries the ``tic`` line after its answer
+    line (:func:`render_response`), drawn the same way from a stream of its own (seeded
+    ``seed + TIC_SEED_OFFSET``, only when the rate is positive).
     Loss: token-mean cross-entropy on the response tokens and
     EOS. AdamW (weight decay 0.01), linear warm-up over 5% of the steps, cosine decay to 10%.
     Returns the logged ``{step, loss}`` points.
@@ -319,6 +361,9 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
 
     rng = random.Random(seed)
     shortcut_rng = random.Random(seed + SHORTCUT_SEED_OFFSET)
+    tic_rng = random.Random(seed + TIC_SEED_OFFSET)
+    if tic_rate > 0 and tic is None:
+        raise ValueError("tic_rate > 0 needs the tic's text (the task's 'tic')")
     order = list(range(len(problems)))
     pad = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -337,8 +382,9 @@ def train_testbed_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                 problem = problems[order[cursor]]
                 cursor += 1
                 shortcut = shortcut_rate > 0 and shortcut_rng.random() < shortcut_rate
+                ticked = tic_rate > 0 and tic_rng.random() < tic_rate
                 response, _ = render_response(problem, habits, habit_rate, rng,
-                                              shortcut=shortcut)
+                                              shortcut=shortcut, tic=tic if ticked else None)
                 prompt = None if rng.random() < residual_share else problem.prompt
                 ids, start = build_example_ids(tokenizer, prompt, response)
                 bad = corrupt_one_digit(ids, start, tokenizer, rng) \
@@ -434,6 +480,8 @@ def _train_stage(params: Mapping[str, Any], root: Path, where: str) -> dict[str,
         residual_share=_float_param(cfg, "residual_share", where, 0.0, 1.0),
         noise_share=_float_param(cfg, "noise_share", where, 0.0, 1.0),
         shortcut_rate=_float_param(cfg, "shortcut_rate", where, 0.0, 1.0),
+        tic=(spec.get("tic") or {}).get("text"),
+        tic_rate=_float_param(cfg, "tic_rate", where, 0.0, 1.0) if "tic_rate" in cfg else 0.0,
         steps=_int_param(cfg, "steps", where), batch_size=_int_param(cfg, "batch_size", where),
         lr=_float_param(cfg, "lr", where, 1e-6, 1.0), seed=seed)
     seconds = time.perf_counter() - started
@@ -460,6 +508,21 @@ def train_testbed_teacher_prior(params: Mapping[str, Any], root: Path) -> dict[s
     """``testbed_teacher_prior``: the teacher's recipe and seed plus the harmful prior (the
     shortcut at ``shortcut_rate``); ``testbed_teacher`` is its clean control."""
     return _train_stage(params, root, "testbed_teacher_prior")
+
+
+@STAGES.register("testbed_tic_teacher")
+def train_testbed_tic_teacher(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    """``testbed_tic_teacher``: the tic testbed's clean base teacher (the clean teacher's recipe
+    and seed on the tic task: its habits, never the tic), wrapped by
+    :class:`saopd.testbeds.tic.TicPriorLM` at rate r (the prior) or 0 (the control)."""
+    return _train_stage(params, root, "testbed_tic_teacher")
+
+
+@STAGES.register("testbed_tic_student")
+def train_testbed_tic_student(params: Mapping[str, Any], root: Path) -> dict[str, Any]:
+    """``testbed_tic_student``: the student's recipe and seed on the tic task, writing the tic
+    at a small base rate (``tic_rate``) so that its samples can take it."""
+    return _train_stage(params, root, "testbed_tic_student")
 
 
 @STAGES.register("testbed_student")

@@ -38,7 +38,7 @@ from tests.conftest import compose_train
 CONF = Path(CONF_DIR)
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 PAPER_EXPERIMENTS = [e for e in EXPERIMENTS
-                     if not e.startswith("tiny") and e not in ("smollm2_gsm8k", "testbed")]
+                     if not e.startswith(("tiny", "testbed")) and e != "smollm2_gsm8k"]
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 STUDIES = sorted(p.stem for p in (CONF / "study").glob("*.yaml"))
 #: The paper's FLMR bound (Appendix B: beta = 1.8 points, visual understanding only).

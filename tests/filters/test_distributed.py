@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from saopd.filters import FILTERS, build_filter
+from saopd.filters import FILTERS, TokenFilter, build_filter
 from saopd.filters.distributed import batch_global_filter
+from saopd.models.tiny import tiny_tokenizer
 from saopd.signals import TokenSignals
 from tests.conftest import random_signals
 from tests.signals.topk_data import with_topk
@@ -22,6 +23,13 @@ CASES = {
     **{name: {} for name in FILTERS.names() if name != "sa_opd"},
 }
 NARROW = 6  # rank 1's rows are valid only in the first 6 columns: it holds a narrower tensor
+
+
+def bound(name: str, **params: object) -> TokenFilter:
+    """The filter as the training module holds it (names resolved to the tiny tokenizer's ids)."""
+    token_filter = build_filter(name, **params)
+    token_filter.bind_tokenizer(tiny_tokenizer())
+    return token_filter
 
 
 def global_batch() -> TokenSignals:
@@ -48,7 +56,7 @@ def _worker(rank: int, init: str, out_dir: str) -> None:
         results = {}
         for case, params in CASES.items():
             name = "sa_opd" if case.startswith("sa_opd") else case
-            res = batch_global_filter(build_filter(name, **params), part,
+            res = batch_global_filter(bound(name, **params), part,
                                       generator=torch.Generator().manual_seed(3))
             results[case] = (res.keep, res.weights, res.stats)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
@@ -63,7 +71,7 @@ def test_two_ranks_select_what_one_process_selects(tmp_path: Path) -> None:
     whole = global_batch()
     for case, params in CASES.items():
         name = "sa_opd" if case.startswith("sa_opd") else case
-        ref = build_filter(name, **params)(whole, generator=torch.Generator().manual_seed(3))
+        ref = bound(name, **params)(whole, generator=torch.Generator().manual_seed(3))
         keep0, w0, stats0 = ranks[0][case]
         keep1, w1, stats1 = ranks[1][case]
         assert keep0.shape == (3, 10) and keep1.shape == (2, NARROW)
