@@ -15,6 +15,12 @@ after the answer line), so every response token has a known **source**:
   ``task.json``'s ``shortcut.answer_prefix``). The prior teacher puts its shortcut rate there
   whatever the input, so this token's divergence is input-agnostic; the answer that follows is
   ``grounded``;
+- ``tic`` and ``tic_slot`` (the tic testbed, :mod:`saopd.testbeds.tic`): the tokens of a written
+  tic (whole or begun; its EOS included), and the other positions where the tic prior is in play
+  (the slot after the first answer line when the response did not write the tic, e.g. its EOS;
+  the token where a begun tic was left), as :func:`saopd.filters.oracle.tic_positions` finds
+  them in the recorded ids (:class:`TicTruth`); the slot oracle removes both, the tic oracle the
+  first;
 - ``grounded``: every other token: the worked solution and the answer, which depend on the input.
 
 :func:`token_sources` classes one response from its per-token texts (what saopd's token records
@@ -40,8 +46,10 @@ from saopd.eval.habits import Habit, follows_shortcut, habits_from_task
 __all__ = [
     "SOURCES",
     "SourceCounts",
+    "TicTruth",
     "load_habits",
     "load_shortcut",
+    "load_tic",
     "read_token_records",
     "selection_at_ratios",
     "selection_by_source",
@@ -49,7 +57,30 @@ __all__ = [
 ]
 
 #: The ground-truth sources of a response token, in table order.
-SOURCES = ("habit", "slot", "shortcut", "grounded")
+SOURCES = ("habit", "slot", "shortcut", "tic", "tic_slot", "grounded")
+
+
+@dataclass(frozen=True)
+class TicTruth:
+    """The tic testbed's ground truth in token ids: the answer line's last token and the tic's
+    ids, EOS last (:func:`saopd.filters.oracle.tic_token_ids`)."""
+
+    answer_end_id: int
+    tic_ids: tuple[int, ...]
+
+    def sources(self, response_ids: Sequence[int]) -> list[str | None]:
+        """``tic`` / ``tic_slot`` at the positions where the prior is in play, None elsewhere."""
+        import torch
+
+        from saopd.filters.oracle import tic_positions
+
+        if not response_ids:
+            return []
+        ids = torch.tensor([list(response_ids)], dtype=torch.long)
+        pos = tic_positions(ids, torch.ones_like(ids, dtype=torch.bool), self.answer_end_id,
+                            self.tic_ids)
+        return ["tic" if t else "tic_slot" if a else None
+                for a, t in zip(pos.active[0].tolist(), pos.tic[0].tolist(), strict=True)]
 _ANSWER_END = re.compile(r"\\boxed\{[^{}]*\}\.")
 
 
@@ -65,14 +96,36 @@ def load_shortcut(task_json: str | Path) -> str | None:
     return None if shortcut is None else str(shortcut["answer_prefix"])
 
 
+def load_tic(task_json: str | Path) -> str | None:
+    """The tic's text of a testbed's ``task.json`` (None for a task without one)."""
+    spec = json.loads(Path(task_json).read_text(encoding="utf-8"))
+    tic = spec.get("tic")
+    return None if tic is None else str(tic["text"])
+
+
 def token_sources(tokens: Sequence[str], habits: Sequence[Habit],
-                  shortcut: str | None = None) -> list[str]:
+                  shortcut: str | None = None, tic: TicTruth | None = None,
+                  response_ids: Sequence[int] | None = None) -> list[str]:
     """The source (:data:`SOURCES`) of each token of one response, from the tokens' texts.
 
     A token overlapping a habit phrase's characters is ``habit``; the decision slots of habits
     that were not written are ``slot``; with ``shortcut`` (the answer prefix), the first token of
-    a shortcut answer line is ``shortcut`` (module docstring); the rest is ``grounded``.
+    a shortcut answer line is ``shortcut`` (module docstring); with ``tic`` (and the response's
+    ``response_ids``), the positions where the tic prior is in play are ``tic`` / ``tic_slot``
+    (:class:`TicTruth`); the rest is ``grounded``.
     """
+    out = _text_sources(tokens, habits, shortcut)
+    if tic is not None:
+        if response_ids is None or len(response_ids) != len(tokens):
+            raise ValueError("the tic's sources need the response's ids, one per token")
+        for i, src in enumerate(tic.sources(response_ids)):
+            if src is not None:
+                out[i] = src
+    return out
+
+
+def _text_sources(tokens: Sequence[str], habits: Sequence[Habit],
+                  shortcut: str | None) -> list[str]:
     text = "".join(tokens)
     starts, pos = [], 0
     for t in tokens:
@@ -188,12 +241,14 @@ def _onsets(sources: Sequence[str]) -> list[bool]:
 
 
 def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence[Habit],
-                        shortcut: str | None = None) -> SourceCounts:
+                        shortcut: str | None = None, tic: TicTruth | None = None
+                        ) -> SourceCounts:
     """Counts by source over token-record responses (``tokens``, ``a_full``, ``a_res``,
-    ``filtered``); ``shortcut``: the answer prefix (:func:`load_shortcut`), if the task has one."""
+    ``filtered``, ``response_ids``); ``shortcut``: the answer prefix (:func:`load_shortcut`), if
+    the task has one; ``tic``: the tic testbed's truth (:class:`TicTruth`)."""
     counts = SourceCounts()
     for r in responses:
-        sources = token_sources(r["tokens"], habits, shortcut)
+        sources = token_sources(r["tokens"], habits, shortcut, tic, r.get("response_ids"))
         a_res = r.get("a_res")
         for i, (s, onset) in enumerate(zip(sources, _onsets(sources), strict=True)):
             res = None if a_res is None or a_res[i] is None else float(a_res[i])
@@ -203,7 +258,7 @@ def selection_by_source(responses: Iterable[Mapping[str, Any]], habits: Sequence
 
 def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[Habit],
                         ratios: Sequence[tuple[float, float]], *, extreme: str = "abs",
-                        shortcut: str | None = None
+                        shortcut: str | None = None, tic: TicTruth | None = None
                         ) -> dict[tuple[float, float], SourceCounts]:
     """What SA-OPD's rule would remove, by source, at other ``(p1, p2)``, on recorded steps.
 
@@ -234,7 +289,8 @@ def selection_at_ratios(records: Iterable[Mapping[str, Any]], habits: Sequence[H
             a_full[i, :n] = torch.tensor(r["a_full"], dtype=torch.float64)
             a_res[i, :n] = torch.tensor(r["a_res"], dtype=torch.float64)
             valid[i, :n] = True
-        sources = [token_sources(r["tokens"], habits, shortcut) for r in rows]
+        sources = [token_sources(r["tokens"], habits, shortcut, tic, r.get("response_ids"))
+                   for r in rows]
         onsets = [_onsets(s) for s in sources]
         gap = (a_full - a_res).abs()
         for ratio in ratios:

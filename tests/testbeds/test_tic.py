@@ -214,3 +214,27 @@ def test_tic_rate_zero_trains_exactly_as_without_it() -> None:
     default = _tiny_trained(None)
     assert all(torch.equal(a, b) for a, b in zip(_tiny_trained(0.0), default, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(_tiny_trained(1.0), default, strict=True))
+
+
+def test_token_sources_mark_the_tic_and_its_slot() -> None:
+    from saopd.eval.habits import Habit
+    from saopd.testbeds.arithmetic import SourceCounts, TicTruth, selection_by_source, token_sources
+
+    tok = tiny_tokenizer()
+    end, tic = tic_token_ids(tok, "Wait, the answer is \\boxed{0}.", "}.")
+    truth = TicTruth(end, tuple(tic))
+    habits = [Habit("preamble", "Let us think step by step.", "start")]
+    answer = tok("1 + 2 = 3\nSo the answer is \\boxed{3}.", add_special_tokens=False)["input_ids"]
+    for ids, want in (([*answer, *tic], ["tic"] * len(tic)),
+                      ([*answer, tic[-1]], ["tic_slot"]),
+                      ([*answer, *tic[:3], 9], ["tic"] * 3 + ["tic_slot"])):
+        tokens = [tok.decode([i]) for i in ids]
+        src = token_sources(tokens, habits, None, truth, ids)
+        assert src[len(answer):] == want
+        assert src[0] == "slot" and set(src[1:len(answer)]) == {"grounded"}
+    with pytest.raises(ValueError, match="one per token"):
+        token_sources(tokens, habits, None, truth, ids[:-1])
+    rec = {"tokens": tokens, "response_ids": ids, "a_full": [0.5] * len(ids),
+           "a_res": [0.5] * len(ids), "filtered": [False] * (len(ids) - 1) + [True]}
+    counts: SourceCounts = selection_by_source([rec], habits, tic=truth)
+    assert counts.valid["tic"] == 3 and counts.filtered["tic_slot"] == 1
