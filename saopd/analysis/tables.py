@@ -38,6 +38,7 @@ __all__ = [
     "Cell",
     "Grid",
     "ResultsTable",
+    "fieller_ratio_ci95",
     "grid_html",
     "grid_latex",
     "grid_markdown",
@@ -77,6 +78,44 @@ def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
         return mean, float("nan")
     var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
     return mean, t_quantile_975(len(vals) - 1) * math.sqrt(var / len(vals))
+
+
+def fieller_ratio_ci95(num: Sequence[float], den: Sequence[float]
+                       ) -> tuple[float, float, float]:
+    """A ratio of paired means, mean(num) / mean(den), with Fieller's 95% interval.
+
+    ``num[i]`` and ``den[i]`` come from the same seed i (e.g. a method's and the control's
+    accuracy gain over a common baseline), so their covariance enters the interval: the set of
+    ratios q with (mean(num) - q mean(den))^2 <= t^2 var(num - q den) / n, t = t(0.975, n - 1).
+    Unlike dividing the numerator's interval by mean(den), this counts the denominator's own
+    uncertainty (a harm measured over the same few seeds). Pairs with a NaN are dropped.
+
+    Returns ``(ratio, low, high)``; low and high are -inf / +inf when the denominator's own
+    interval includes zero (the ratio is then unbounded at 95%), NaN with fewer than 2 pairs.
+    """
+    pairs = [(float(a), float(b)) for a, b in zip(num, den, strict=True)
+             if not (math.isnan(float(a)) or math.isnan(float(b)))]
+    n = len(pairs)
+    nan = float("nan")
+    if n == 0:
+        return nan, nan, nan
+    mx = sum(a for a, _ in pairs) / n
+    my = sum(b for _, b in pairs) / n
+    ratio = mx / my if my != 0 else nan
+    if n < 2:
+        return ratio, nan, nan
+    sxx = sum((a - mx) ** 2 for a, _ in pairs) / (n - 1) / n
+    syy = sum((b - my) ** 2 for _, b in pairs) / (n - 1) / n
+    sxy = sum((a - mx) * (b - my) for a, b in pairs) / (n - 1) / n
+    t2 = t_quantile_975(n - 1) ** 2
+    qa = my * my - t2 * syy
+    qb = -2.0 * (mx * my - t2 * sxy)
+    qc = mx * mx - t2 * sxx
+    disc = qb * qb - 4.0 * qa * qc
+    if qa <= 0 or disc < 0:
+        return ratio, float("-inf"), float("inf")
+    root = math.sqrt(disc)
+    return ratio, (-qb - root) / (2.0 * qa), (-qb + root) / (2.0 * qa)
 
 
 def paired_recovery(scores: Mapping[str, Mapping[str, float]], *, base: str, control: str

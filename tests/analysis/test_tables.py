@@ -173,3 +173,35 @@ def test_paired_recovery_pairs_by_seed_and_scales_by_the_harm() -> None:
     assert math.isnan(alone["SA-OPD"]["recovered"][0])
     with pytest.raises(KeyError):
         paired_recovery(scores, base="missing", control="OPD (clean teacher)")
+
+
+def test_fieller_interval_is_the_set_of_ratios_a_paired_t_test_keeps() -> None:
+    """Fieller's interval is {q : the 95% t-interval of mean(num - q den) contains 0}; checked
+    against that definition on a fine grid, with a denominator of its own noise."""
+    import math
+
+    from saopd.analysis.tables import fieller_ratio_ci95, mean_ci95
+
+    num = [0.05, 0.12, -0.02, 0.09, 0.15, 0.03, 0.07, 0.11]
+    den = [0.30, 0.41, 0.22, 0.35, 0.38, 0.25, 0.31, 0.44]
+    ratio, low, high = fieller_ratio_ci95(num, den)
+    assert ratio == pytest.approx(sum(num) / sum(den), rel=1e-12)
+
+    def kept(q: float) -> bool:
+        mean, half = mean_ci95([a - q * b for a, b in zip(num, den, strict=True)])
+        return abs(mean) <= half
+
+    grid = [i / 10000 for i in range(-5000, 10001)]
+    inside = [q for q in grid if kept(q)]
+    assert min(inside) == pytest.approx(low, abs=2e-4)
+    assert max(inside) == pytest.approx(high, abs=2e-4)
+    assert low < ratio < high
+    # a constant denominator: the numerator's t-interval divided by it
+    m, h = mean_ci95(num)
+    _, lo2, hi2 = fieller_ratio_ci95(num, [0.5] * len(num))
+    assert (lo2, hi2) == pytest.approx(((m - h) / 0.5, (m + h) / 0.5), rel=1e-9)
+    # a denominator whose own interval includes zero: unbounded
+    _, lo3, hi3 = fieller_ratio_ci95(num, [0.1, -0.2, 0.15, -0.1, 0.05, -0.05, 0.2, -0.1])
+    assert lo3 == -math.inf and hi3 == math.inf
+    assert all(math.isnan(x) for x in fieller_ratio_ci95([], [])) and \
+        math.isnan(fieller_ratio_ci95([0.1], [0.2])[1])
