@@ -4,7 +4,11 @@
 hyperparameters, NaN, out of memory) must not stop the sweep: in multirun mode
 :func:`saopd.train.main` catches the error, logs it with its traceback, writes
 ``<job dir>/FAILED.json``, marks the job's MLflow run FAILED (creating one tagged with the sweep
-if training had not started one yet) and returns, so Hydra goes on with the next job.
+if training had not started one yet) and returns, so Hydra goes on with the next job. A job
+stopped by ``SIGTERM`` (``scancel``, ``kill``; not a launcher's preemption signal, which
+requeues it) saves its step, writes ``<job dir>/KILLED.json`` with the command that continues it
+(:func:`record_killed_job`) and returns the same way: the launcher (submitit's above all) gets a
+result, and the sweep's summary lists the job as ``killed``.
 
 :class:`SweepSummary`, a Hydra callback configured in ``conf/train.yaml``, appends each job's
 outcome to ``<sweep dir>/jobs.jsonl`` as it ends (also from joblib worker processes) and, when the
@@ -31,6 +35,7 @@ log = logging.getLogger("saopd.sweeps")
 JOBS_FILE = "jobs.jsonl"
 SUMMARY_FILE = "sweep_summary.json"
 FAILED_FILE = "FAILED.json"
+KILLED_FILE = "KILLED.json"
 
 
 def is_multirun() -> bool:
@@ -63,6 +68,23 @@ def record_job_failure(job_dir: Path, error: BaseException) -> dict[str, Any]:
     tmp = job_dir / (FAILED_FILE + ".tmp")
     tmp.write_text(json.dumps(info, indent=2) + "\n")
     os.replace(tmp, job_dir / FAILED_FILE)
+    return info
+
+
+def record_killed_job(job_dir: Path, *, saved: str) -> dict[str, Any]:
+    """Write ``job_dir/KILLED.json`` for a sweep job stopped by ``SIGTERM``: ``saved`` (which
+    step is saved, as :func:`saopd.train.saved_step` says it), the job's overrides and
+    ``resume``, the command that continues the job in its folder; return it."""
+    tags = sweep_tags()
+    overrides = [o for o in tags.get("overrides", "").split()
+                 if not o.lstrip("+~").startswith("resume=")]
+    info = {"signal": "SIGTERM", "saved": saved,
+            "resume": " ".join(["saopd-train", *overrides, f"resume={job_dir.absolute()}"]),
+            **tags}
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / (KILLED_FILE + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, job_dir / KILLED_FILE)
     return info
 
 
@@ -140,10 +162,18 @@ class SweepSummary(_HydraCallback):  # type: ignore[misc]
         hc = HydraConfig.get()
         job_dir = Path(hc.runtime.output_dir)
         failed = job_dir / FAILED_FILE
+        killed = job_dir / KILLED_FILE
         value = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
         row: dict[str, Any] = {"job": int(hc.job.num), "overrides": list(hc.overrides.task),
                                "dir": str(job_dir)}
-        if failed.is_file():
+        # a job folder run again (resume) may hold both: the newer one is this run's
+        killed_last = killed.is_file() and (
+            not failed.is_file() or killed.stat().st_mtime >= failed.stat().st_mtime)
+        if killed_last and value is None:
+            info = json.loads(killed.read_text())
+            row.update(status="killed", error=f"stopped by {info['signal']}; {info['saved']}",
+                       resume=info["resume"])
+        elif failed.is_file():
             info = json.loads(failed.read_text())
             row.update(status="failed", error=f"{info['error_type']}: {info['error']}")
         elif job_return.status != JobStatus.COMPLETED:  # raised past saopd.train.main
@@ -159,20 +189,27 @@ class SweepSummary(_HydraCallback):  # type: ignore[misc]
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         jobs = read_jobs(sweep_dir)
-        failed = [j for j in jobs if j["status"] != "ok"]
+        failed = [j for j in jobs if j["status"] not in ("ok", "killed")]
+        killed = [j for j in jobs if j["status"] == "killed"]
         summary = {"sweep_dir": str(sweep_dir.resolve()), "jobs": len(jobs),
-                   "failed": len(failed), "job_outcomes": jobs}
+                   "failed": len(failed), "killed": len(killed), "job_outcomes": jobs}
         tmp = sweep_dir / (SUMMARY_FILE + ".tmp")
         sweep_dir.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, sweep_dir / SUMMARY_FILE)
-        lines = [f"sweep {sweep_dir}: {len(jobs) - len(failed)} of {len(jobs)} jobs ok"]
+        ok = len(jobs) - len(failed) - len(killed)
+        lines = [f"sweep {sweep_dir}: {ok} of {len(jobs)} jobs ok"]
         for j in jobs:
             tail = f"  {j['error']}" if j["status"] != "ok" else ""
             lines.append(f"  #{j['job']:<3} {j['status']:<6} {' '.join(j['overrides'])}{tail}")
+            if j.get("resume"):
+                lines.append(f"       continue it: {j['resume']}")
         print("\n".join(lines), flush=True)
-        if failed:
+        if failed or killed:
             # Hydra turns a callback's exceptions into warnings; SystemExit gets through and
             # makes the sweep's exit status 1 (after every job has run)
-            raise SystemExit(f"saopd-train: {len(failed)} of {len(jobs)} sweep jobs failed (see "
+            what = [f"{len(failed)} of {len(jobs)} sweep jobs failed"] if failed else []
+            what += [f"{len(killed)} of {len(jobs)} were killed (each one's command to "
+                     "continue it is in the summary)"] if killed else []
+            raise SystemExit(f"saopd-train: {' and '.join(what)} (see "
                              f"{sweep_dir / SUMMARY_FILE}); the others completed")

@@ -44,7 +44,7 @@ from saopd.lightning.resume import (
     resume_changes,
 )
 from saopd.lightning.run_tracking import run_tracking_uri, start_tracking
-from saopd.lightning.runs import NonFiniteError, training_config
+from saopd.lightning.runs import NonFiniteError, preemption_requested, training_config
 from saopd.lightning.trainer import build_trainer, training_callbacks
 from saopd.mlflow_ui import experiment_url
 from saopd.models.factory import build_models
@@ -54,7 +54,7 @@ from saopd.prompts.sources import load_prompts
 from saopd.rollout.registry import build_run_engine
 from saopd.scoring.registry import build_scorer
 from saopd.scoring.teacher_service import TeacherServiceError, check_servable
-from saopd.sweeps import is_multirun, record_failed_job, run_tags
+from saopd.sweeps import is_multirun, record_failed_job, record_killed_job, run_tags
 from saopd.tracking import (
     check_tracking_server,
     default_tracking_uri,
@@ -223,7 +223,10 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
 
     A single run that fails exits with status 2 (configuration) or re-raises. In a sweep
     (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes
-    on; :class:`saopd.sweeps.SweepSummary` reports the failures when the sweep ends.
+    on; :class:`saopd.sweeps.SweepSummary` reports the failures when the sweep ends. A run
+    stopped by ``SIGTERM`` saves its step and exits with status 143, or in a sweep records
+    the job as killed (``KILLED.json``, with the command that continues it) and returns, unless
+    the launcher preempted it (then it exits 143 and is requeued).
     """
     try:
         summary = train(cfg)
@@ -231,6 +234,12 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
         _record_stopped_job(cfg)
         print("saopd-train: stopped by SIGTERM; the last step is in checkpoints/last.ckpt: "
               "continue with resume=auto (or resume=<run folder>)", file=sys.stderr)
+        if is_multirun() and not preemption_requested():  # killed, not preempted: no requeue
+            folder = Path(str(cfg.paths.output_dir))
+            info = record_killed_job(folder, saved=saved_step(folder))
+            log.warning("sweep job stopped by SIGTERM: %s; continue it with %s", info["saved"],
+                        info["resume"])
+            return None  # the launcher gets a result; the sweep's summary says 'killed'
         sys.exit(143)
     except Exception as err:
         if is_multirun():

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -243,3 +245,61 @@ def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
     names = {name for _, _, name in rows}
     assert "gcs_server" in names and "raylet" in names  # the cluster's own listeners are seen
     assert [r for r in rows if not is_loopback(r[0])] == []
+
+
+# ---- a cluster job killed with SIGTERM -------------------------------------------------------
+
+def _submitit_task(sweep: Path) -> int | None:
+    """The pid of the submitit task that runs a job of ``sweep`` (what SLURM would signal)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"submitit.core._submit" in cmd and any(str(sweep).encode() in c for c in cmd):
+            return int(pid)
+    return None
+
+
+def test_a_slurm_local_job_killed_by_sigterm_is_in_the_summary_and_resumes(tmp_path: Path
+                                                                          ) -> None:
+    """SIGTERM to a hydra/launcher=slurm_local job: the sweep ends with its summary, the job
+    listed as killed with the command that continues it, and that command resumes the saved
+    step (the sweep ended in submitit's UncompletedJobError, with no summary)."""
+    steps, sweep = 20, tmp_path / "sweep"
+    job = sweep / "0"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SAOPD_ROOT", None)
+    proc = subprocess.Popen(
+        [str(TRAIN), "-m", *FAST, f"steps={steps}", "hydra/launcher=slurm_local",
+         f"hydra.sweep.dir={sweep}", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None and not list(
+                (job / "checkpoints").glob("step_*.ckpt")):
+            time.sleep(0.2)
+        pid = _submitit_task(sweep)
+        assert pid is not None and proc.poll() is None, "the job ended before it was signalled"
+        os.kill(pid, signal.SIGTERM)  # scancel, or a kill by hand
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "UncompletedJobError" not in err and "Traceback" not in err
+    assert "1 of 1 were killed" in err
+    summary = json.loads((sweep / "sweep_summary.json").read_text())
+    (row,) = summary["job_outcomes"]
+    assert (summary["killed"], summary["failed"], row["status"]) == (1, 0, "killed")
+    assert row["resume"].endswith(f"resume={job}") and "continue it: saopd-train" in out
+    saved = int(row["error"].split("step ", 1)[1].split()[0])
+    assert 0 < saved < steps
+
+    resumed = subprocess.run([str(TRAIN), *shlex.split(row["resume"])[1:]], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resume (resume): {job / 'checkpoints' / 'last.ckpt'} at step {saved}" in \
+        resumed.stdout + resumed.stderr
+    assert f"saopd-train: {steps} steps" in resumed.stdout
+    assert f"outputs:     {job}" in resumed.stdout  # in the job's own folder
+
