@@ -82,6 +82,13 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     text = sidecar.read_text().strip()
     expected = text.split()[0] if text else ""
     got = file_sha256(real)
+    if got != expected and _contents_intact(real):
+        raise CheckpointError(
+            f"checkpoint {given}{f' (-> {real})' if real != given.absolute() else ''}: its "
+            f"{sidecar.name} is wrong, not the checkpoint: the file's sha256 {got[:16]}... "
+            f"differs from it ({expected[:16] or 'empty'}...), but its contents match the digest "
+            "stored inside when it was written (a sidecar of another file, or edited). Rewrite "
+            f"it: sha256sum {real} > {sidecar}")
     if got != expected:
         raise CheckpointError(
             f"checkpoint {given}{f' (-> {real})' if real != given.absolute() else ''} is "
@@ -89,6 +96,19 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, bool]:
             f"({expected[:16] or 'empty'}...); it was changed or cut after it was written. Use an "
             "older checkpoint of the run, or delete this one")
     return real, True
+
+
+def _contents_intact(real: Path) -> bool:
+    """Whether checkpoint file ``real`` loads (weights only) and its contents match the digest
+    stored inside it (False when it cannot be read or stores none)."""
+    if not zipfile.is_zipfile(real):
+        return False
+    try:
+        state = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
+        return False
+    stored = state.get(CONTENT_DIGEST_KEY) if isinstance(state, dict) else None
+    return stored is not None and stored == content_digest(state)
 
 
 def content_digest(checkpoint: Mapping[str, Any]) -> str:

@@ -147,7 +147,11 @@ def record_resume_changes(run: Path, changes: Mapping[str, tuple[str, str]]) -> 
         fh.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                              "changes": {k: {"run": a, "now": b}
                                          for k, (a, b) in changes.items()}}) + "\n")
-    log.warning("resume changes %s on purpose (recorded in %s)", ", ".join(changes), record)
+    if set(changes) == {"steps"}:  # training on for longer is what a resume is for
+        log.info("resume: steps %s -> %s (recorded in %s)", *changes["steps"], record)
+    else:
+        log.warning("resume changes %s on purpose (recorded in %s)", ", ".join(changes),
+                    record)
 
 
 class RunBusyError(OSError):

@@ -95,6 +95,9 @@ def load_prompts(data: DataConfig, tokenizer: Any, processor: Any = None
     """
     source = PROMPT_SOURCES.get(data.source)
     path = Path(data.path)
+    if path.is_dir():
+        raise ValueError(f"data.path: {path} is a directory; give the JSONL file of prompts "
+                         "in it")
     if not path.is_file():
         raise ValueError(f"data.path: no such file {path}{_HINTS.get(data.source, '')}")
     records, report = source(data, path, processor)

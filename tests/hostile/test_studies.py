@@ -303,3 +303,39 @@ def test_a_slurm_local_job_killed_by_sigterm_is_in_the_summary_and_resumes(tmp_p
     assert f"saopd-train: {steps} steps" in resumed.stdout
     assert f"outputs:     {job}" in resumed.stdout  # in the job's own folder
 
+
+# ---- messages that blamed the wrong thing, and a warning for what a resume is for -----------
+
+def test_a_wrong_sidecar_beside_a_whole_checkpoint_is_blamed_not_the_checkpoint(
+        tmp_path: Path) -> None:
+    import torch
+
+    from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
+
+    path, other = tmp_path / "step_000003.ckpt", tmp_path / "other.ckpt"
+    io = VerifiedCheckpointIO()
+    io.save_checkpoint({"state_dict": {"student.w": torch.ones(4)}, "global_step": 3}, path)
+    io.save_checkpoint({"state_dict": {"student.w": torch.zeros(4)}, "global_step": 1}, other)
+    shutil.copy(tmp_path / "other.ckpt.sha256", tmp_path / "step_000003.ckpt.sha256")
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(path)
+    message = str(caught.value)
+    assert "its step_000003.ckpt.sha256 is wrong, not the checkpoint" in message
+    assert "corrupt" not in message and f"sha256sum {path}" in message
+
+
+def test_a_directory_as_data_path_is_called_a_directory(make_cfg, tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=rf"data: data.path: {tmp_path} is a directory"):
+        train(make_cfg(*FAST, "steps=1", f"data.path={tmp_path}", mlflow=False))
+
+
+def test_a_resume_that_only_trains_longer_does_not_warn(make_cfg, caplog) -> None:
+    first = train(make_cfg(*FAST, "steps=1"))
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        again = train(make_cfg(*FAST, "steps=2", f"resume={first['output_dir']}"))
+    assert again["steps"] == 2 and again["run_id"] == first["run_id"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+              and r.name.startswith("saopd") and "max_prompt_length" not in r.getMessage()]
+    assert warned == []  # the long prompts of the tiny data are warned of in every run
+    assert any("resume: steps 1 -> 2" in r.getMessage() for r in caplog.records)
