@@ -199,14 +199,23 @@ bench-trl-vllm: setup-trl-vllm
 planted-prior: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/planted_prior/run.py --threads 1
 
-# The arithmetic testbed (experiments/testbed/README.md): task data, a teacher with a harmful
-# prior, its clean-teacher control and a weaker student, trained from scratch (dvc repro; in git,
-# so nothing to do on a fresh clone), the studies teacher_control, baselines, ablation_filters (5
-# seeds) and p1p2_grid (3 seeds) through saopd-train, then saopd-report and the testbed's own
-# tables and figures in experiments/testbed/results/ (97 runs of 200 steps, two at a time: about
-# 100 minutes on the 2-core development machine, measured for the parts run in session 7).
-.PHONY: testbed
+# The arithmetic testbed's answer (experiments/testbed/README.md): the tic study, whose design,
+# checks and predictions are in experiments/testbed/tic/PREREGISTRATION.md: a teacher whose
+# harmful prior is input-agnostic by construction, its control, two oracle filters as positive
+# controls, SA-OPD, its ablations and the baselines, 17 arms x 8 seeds through saopd-train, then
+# saopd-report and the study's tables and figure in experiments/testbed/results/tic/.
+.PHONY: testbed testbed-checks testbed-shortcut
 testbed: setup
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/tic_study.py
+
+# The tic study's pre-registered checks (a)-(e), each with its number and verdict.
+testbed-checks: setup
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/tic_checks.py
+
+# The first testbed study (the shortcut prior, which turned out not input-agnostic as the models
+# compute it): teacher_control, baselines, ablation_filters (5 seeds) and p1p2_grid (3 seeds),
+# 97 runs of 200 steps, two at a time: 1 h 57 min from a fresh clone on the 2-core machine.
+testbed-shortcut: setup
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/testbed/run.py
 
 # The documentation site (mkdocs.yml: docs/ with mkdocs-material, the pure layer's API with
