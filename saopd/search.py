@@ -44,7 +44,8 @@ from omegaconf import OmegaConf
 
 from saopd.sweeps import is_multirun
 
-__all__ = ["BEST_FILE", "TRIALS_FILE", "SearchObjectives", "best_trials", "objective_values"]
+__all__ = ["BEST_FILE", "TRIALS_FILE", "SearchObjectives", "best_trials", "objective_values",
+           "unlogged_metric"]
 
 TRIALS_FILE = "trials.jsonl"
 BEST_FILE = "best.json"
@@ -75,6 +76,31 @@ def objective_values(summary: Mapping[str, Any], metrics: Sequence[str]) -> list
             raise ValueError(f"hparams search: metric {name!r} is {value}")
         out.append(value)
     return out
+
+
+def unlogged_metric(metrics: Sequence[str], eval_cfg: Mapping[str, Any]) -> str | None:
+    """Why a trial of the experiment whose ``eval`` config is ``eval_cfg`` would not log one of
+    the evaluation ``metrics`` (``eval/<benchmark>/...``): it does not evaluate
+    (``eval.every_n_steps`` 0), the benchmark is not one of ``eval.benchmarks``, or
+    ``avg_at_<k>`` has another k than ``eval.k``; None when each could be logged. Training
+    metrics (``train/...``) depend on the filter and objective and are checked per trial."""
+    every = eval_cfg.get("every_n_steps") or 0
+    benchmarks = list(eval_cfg.get("benchmarks") or [])
+    k = eval_cfg.get("k")
+    for name in metrics:
+        parts = name.split("/")
+        if parts[0] != "eval" or len(parts) < 3:
+            continue
+        if not every:
+            return (f"objective metric {name!r} comes from the held-out evaluation, but "
+                    "eval.every_n_steps=0: no trial would evaluate (set eval.every_n_steps, "
+                    "or pick a train/ metric)")
+        if parts[1] not in benchmarks:
+            return (f"objective metric {name!r}: benchmark {parts[1]!r} is not evaluated "
+                    f"(eval.benchmarks={benchmarks})")
+        if parts[2].startswith("avg_at_") and k is not None and parts[2] != f"avg_at_{k}":
+            return (f"objective metric {name!r}: the trials evaluate avg_at_{k} (eval.k={k})")
+    return None
 
 
 def _directions(sweeper: Any) -> list[str]:
@@ -144,7 +170,9 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
         self.metrics = [str(m) for m in metrics]
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        """Refuse (exit 2) a search whose directions and metrics do not pair up."""
+        """Refuse (exit 2) a search whose directions and metrics do not pair up, of fewer than
+        one trial, or whose trials would not log an evaluation metric
+        (:func:`unlogged_metric`)."""
         sweeper = config.hydra.sweeper
         problem = None
         if "optuna" not in str(sweeper.get("_target_", "")).lower():
@@ -160,6 +188,8 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
             elif isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
                 problem = (f"hydra.sweeper.n_trials={n_trials}: a search needs at least one "
                            "trial (hydra.sweeper.n_trials=20)")
+            else:
+                problem = unlogged_metric(self.metrics, config.get("eval") or {})
         if problem is not None:
             print(f"saopd-train: error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # Hydra turns a callback's exceptions into warnings

@@ -13,6 +13,8 @@ sweep's summary and exits with status 1). ``conf/hparams_search/*.yaml`` name it
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import (
@@ -25,12 +27,38 @@ log = logging.getLogger(__name__)
 NO_COMPLETED_TRIAL = "No trials are completed yet"
 
 
+def interval_problem(overrides: Sequence[str]) -> str | None:
+    """The first search-space override (``key=interval(low, high)``, from the command line or
+    ``hydra.sweeper.params``) whose low end is above its high end, as one line naming the key;
+    None when there is none (Optuna's own error named neither)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import IntervalSweep
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+            value = override.value()
+        except Exception:  # not ours to judge: Hydra reports what it cannot parse
+            continue
+        if isinstance(value, IntervalSweep) and value.start > value.end:
+            return (f"{override.key_or_group}=interval({value.start}, {value.end}): the low end "
+                    f"is above the high end; write interval({value.end}, {value.start})")
+    return None
+
+
 class OptunaSweeper(HydraOptunaSweeper):
     """``hydra/sweeper=optuna`` whose search ends normally when no trial completed."""
 
     def sweep(self, arguments: list[str]) -> Any:
         """Run the search; a search whose every trial failed returns (its trials are recorded
-        as failed; the callbacks report them) instead of raising Optuna's ``ValueError``."""
+        as failed; the callbacks report them) instead of raising Optuna's ``ValueError``. A
+        reversed interval in the search space is refused first (one line, exit 2)."""
+        params = getattr(self.sweeper, "params", None) or {}
+        problem = interval_problem([*arguments, *(f"{k}={v}" for k, v in params.items())])
+        if problem is not None:
+            print(f"saopd-train: error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
         try:
             return super().sweep(arguments)
         except ValueError as err:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,23 @@ def _defer(signum: int, frame: Any) -> None:
 
 class _Requeueing:
     """The job side of both launchers (mixed into submitit's)."""
+
+    def launch(self, job_overrides: Any, initial_job_idx: int) -> Any:
+        """Submit the jobs; an option submitit's executor does not know is one line naming it
+        (``hydra.launcher.<option>``) and exit status 2, not submitit's traceback."""
+        try:
+            return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
+        except NameError as err:
+            found = re.match(r"Unknown argument '(\w+)' for executor '(\w+)'.*?"
+                             r"Valid arguments: ([^\n]*)", str(err), re.S)
+            if found is None:
+                raise
+            option, executor, valid = found.groups()
+            shared = ", ".join(re.findall(r"'(\w+)': <class", str(err)))
+            print(f"saopd-train: error: hydra.launcher.{option}: submitit's {executor!r} "
+                  f"executor has no such option (its own: {valid}; the shared ones: "
+                  f"{shared})", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
 
     def __call__(self, sweep_overrides: list[str], *args: Any, **kwargs: Any) -> Any:
         usr = preemption_signal()

@@ -183,6 +183,40 @@ def test_a_search_whose_every_trial_failed_ends_with_its_summary(tmp_path: Path)
     assert proc.stdout.count("data.path: no such file") >= 2  # each trial's reason
 
 
+
+def test_a_reversed_interval_names_its_key(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "hydra.sweeper.n_trials=1", "filter.p1=interval(0.5, 0.1)")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "saopd-train: error: filter.p1=interval(0.5, 0.1): the low end is above the high " \
+        "end; write interval(0.1, 0.5)" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "sweep" / "0").exists()
+
+
+def test_a_search_for_a_metric_no_trial_logs_is_refused_before_the_first_trial(
+        tmp_path: Path) -> None:
+    """The held-out metric of hparams_search=sa_opd with eval.every_n_steps=0: refused at once
+    (every trial trained, then failed for want of it)."""
+    proc = _search(tmp_path, "hydra.sweeper.n_trials=2",
+                   "hydra.callbacks.search_objectives.metrics=[eval/gsm8k/avg_at_1]",
+                   "hydra.sweeper.direction=[maximize]")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "saopd-train: error: objective metric 'eval/gsm8k/avg_at_1' comes from the " \
+        "held-out evaluation, but eval.every_n_steps=0" in proc.stderr
+    assert not (tmp_path / "sweep" / "0").exists()  # no trial ran
+
+
+def test_an_unknown_launcher_option_is_one_line_naming_it(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("SAOPD_ROOT", None)
+    proc = subprocess.run(
+        [str(TRAIN), "-m", *FAST, "steps=1", "hydra/launcher=slurm_local",
+         "+hydra.launcher.gpus_per_task=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+         "logger=none"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "saopd-train: error: hydra.launcher.gpus_per_task: submitit's 'local' executor has " \
+        "no such option" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
 # ---- a prompt of megabytes -------------------------------------------------------------------
 
 class RecordingTokenizer:
