@@ -45,6 +45,7 @@ from saopd.rollout.base import SamplingParams
 from saopd.rollout.registry import build_engine
 from saopd.tracking import (
     FOLDER_TAG,
+    check_tracking_server,
     default_tracking_uri,
     local_artifact_location,
     store_lock,
@@ -193,6 +194,8 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     out_dir = Path(conf.output_dir)
     step = 0
     tracking_uri = conf.tracking_uri
+    if conf.log_to_mlflow or conf.run_id:  # a server that does not answer: before the model
+        check_tracking_server(tracking_uri)
     ckpt = Path(conf.checkpoint) if conf.checkpoint else None
     if conf.run_id and ckpt is None:
         import mlflow

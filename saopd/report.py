@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from saopd.paths import repo_root
+from saopd.tracking import check_tracking_server
 
 __all__ = ["build_parser", "main", "run_report"]
 
@@ -139,6 +140,7 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
         unfinished_runs,
     )
 
+    check_tracking_server(args.tracking_uri)  # a server that does not answer: one line, now
     client = mlflow_client(args.tracking_uri)
     statuses = None if args.include_unfinished else ("FINISHED",)
     query = RunQuery(experiments=tuple(args.experiment), tags=dict(args.tag),

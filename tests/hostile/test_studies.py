@@ -373,3 +373,24 @@ def test_a_resume_that_only_trains_longer_does_not_warn(make_cfg, caplog) -> Non
               and r.name.startswith("saopd") and "max_prompt_length" not in r.getMessage()]
     assert warned == []  # the long prompts of the tiny data are warned of in every run
     assert any("resume: steps 1 -> 2" in r.getMessage() for r in caplog.records)
+
+
+def test_eval_and_report_on_a_tracking_uri_where_nothing_listens_stop_at_once(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """saopd-eval and saopd-report with a server URI where nothing listens: one error naming
+    it within seconds (MLflow's client retried for minutes)."""
+    from saopd.report import main as report_main
+
+    for name in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    uri = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=rf"MLflow tracking server {uri} does not answer"):
+        run_eval(_compose_eval(tmp_path, f"tracking_uri={uri}"))
+    with pytest.raises(SystemExit) as stop:
+        report_main(["--tracking-uri", uri, "-e", "tiny", "--out", str(tmp_path / "r")])
+    assert stop.value.code == 2
+    assert f"saopd-report: error: MLflow tracking server {uri} does not answer" in \
+        capsys.readouterr().err
+    assert time.monotonic() - started < 30
