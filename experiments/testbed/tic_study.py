@@ -65,13 +65,13 @@ LABELS: dict[tuple[str, str], str] = {
     ("tic", "SA-OPD (divergent ranks)"): "SA-OPD (divergent ranks)",
     ("tic", "SA-OPD (FLMR >= 5%)"): "SA-OPD (FLMR >= 5%)",
     ("tic_calibrated", "Random Filter"): "Random (at SA-OPD 0.8, 0.3's count)",
-    ("tic_calibrated", "Divergence-Only"): "Divergence-only (same count)",
-    ("tic_calibrated", "Input-Groundedness-Only"): "IG-only (same count)",
+    ("tic_calibrated", "Divergence-only Filter"): "Divergence-only (same count)",
+    ("tic_calibrated", "Input-Groundedness-only Filter"): "IG-only (same count)",
     ("tic_calibrated", "Proxy Replacement"): "Proxy replacement (same count)",
     ("tic", "TIP"): "TIP",
     ("tic", "FiRe-OPD"): "FiRe-OPD",
     ("tic", "ExOPD"): "ExOPD",
-    ("tic", "Token Teachability"): "TA-OPD",
+    ("tic", "TA-OPD"): "TA-OPD",
     ("tic", "Entropy-Aware OPD"): "Entropy-Aware OPD",
 }
 
