@@ -11,9 +11,11 @@ config value (``paths.root=...``, ``data.path=...``, ``logger.tracking_uri=...``
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["ROOT_ENV", "conf_dir", "default_tracking_uri", "register_resolvers", "repo_root"]
+__all__ = ["ROOT_ENV", "conf_dir", "config_dirs", "default_tracking_uri", "register_resolvers",
+           "repo_root", "yaml_problem"]
 
 #: Environment variable that overrides the repository root.
 ROOT_ENV = "SAOPD_ROOT"
@@ -56,3 +58,41 @@ def register_resolvers() -> None:
 
     if not OmegaConf.has_resolver("saopd_root"):
         OmegaConf.register_new_resolver("saopd_root", lambda: str(repo_root()))
+
+
+def config_dirs(argv: Sequence[str]) -> list[Path]:
+    """The folders of YAML configs an entry point's command line ``argv`` reads: ``conf/``
+    (:func:`conf_dir`) and those ``--config-dir`` / ``-cd`` add."""
+    dirs = [conf_dir()]
+    for i, arg in enumerate(argv):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            dirs.append(Path(argv[i + 1]).expanduser())
+        elif arg.startswith("--config-dir="):
+            dirs.append(Path(arg.split("=", 1)[1]).expanduser())
+    return dirs
+
+
+def yaml_problem(folders: Iterable[Path]) -> str | None:
+    """The first YAML syntax error in the ``*.yaml`` files under ``folders``, as one line
+    (``<file>, line L, column C: <problem> (<context> at line L')``); None when every file
+    parses. Hydra reports such an error in a traceback of some 40 lines before the file and
+    line."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.yaml")) if Path(folder).is_dir() else []:
+            try:
+                yaml.load(path.read_text(encoding="utf-8"), Loader=loader)  # a safe loader
+            except yaml.MarkedYAMLError as err:
+                mark = err.problem_mark or err.context_mark
+                where = (f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark
+                         else str(path))
+                context = err.context_mark
+                why = err.problem or err.context or "not valid YAML"
+                if err.problem and err.context and context is not None:
+                    why += f" ({err.context} at line {context.line + 1})"
+                return f"{where}: {why}"
+            except (yaml.YAMLError, UnicodeDecodeError) as err:
+                return f"{path}: {err}"
+    return None

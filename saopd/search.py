@@ -206,7 +206,7 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
         row: dict[str, Any] = {"job": int(hc.job.num), "overrides": list(hc.overrides.task)}
         summary = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
         try:
-            if not isinstance(summary, Mapping):  # saopd.train.main returned None: it failed
+            if not isinstance(summary, Mapping):  # saopd.train.app returned None: it failed
                 raise RuntimeError("the training job failed (see FAILED.json in "
                                    f"{hc.runtime.output_dir})")
             values = objective_values(summary, self.metrics)

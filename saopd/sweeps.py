@@ -2,7 +2,7 @@
 
 ``saopd-train -m ...`` runs one job per combination. A job that fails (a bad combination of
 hyperparameters, NaN, out of memory) must not stop the sweep: in multirun mode
-:func:`saopd.train.main` catches the error, logs it with its traceback, writes
+:func:`saopd.train.app` catches the error, logs it with its traceback, writes
 ``<job dir>/FAILED.json``, marks the job's MLflow run FAILED (creating one tagged with the sweep
 if training had not started one yet) and returns, so Hydra goes on with the next job. A job
 stopped by ``SIGTERM`` (``scancel``, ``kill``; not a launcher's preemption signal, which
@@ -176,7 +176,7 @@ class SweepSummary(_HydraCallback):  # type: ignore[misc]
         elif failed.is_file():
             info = json.loads(failed.read_text())
             row.update(status="failed", error=f"{info['error_type']}: {info['error']}")
-        elif job_return.status != JobStatus.COMPLETED:  # raised past saopd.train.main
+        elif job_return.status != JobStatus.COMPLETED:  # raised past saopd.train.app
             row.update(status="failed", error=repr(getattr(job_return, "_return_value", None)))
         else:
             row["status"] = "ok"

@@ -49,7 +49,7 @@ from saopd.lightning.trainer import build_trainer, training_callbacks
 from saopd.mlflow_ui import experiment_url
 from saopd.models.factory import build_models
 from saopd.objectives import OBJECTIVES
-from saopd.paths import conf_dir, register_resolvers
+from saopd.paths import conf_dir, config_dirs, register_resolvers, yaml_problem
 from saopd.prompts.sources import load_prompts
 from saopd.rollout.registry import build_run_engine
 from saopd.scoring.registry import build_scorer
@@ -217,9 +217,20 @@ register_schema()
 register_resolvers()
 
 
+def main() -> None:
+    """``saopd-train``: :func:`app` on the command line's config, once every YAML file it may
+    read parses (a syntax error is one line naming the file and line, exit status 2)."""
+    problem = yaml_problem(config_dirs(sys.argv[1:]))
+    if problem is not None:
+        print(f"saopd-train: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    app()
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def main(cfg: DictConfig) -> dict[str, Any] | None:
-    """Hydra entry point (``saopd-train``); returns the run's summary (None if it failed).
+def app(cfg: DictConfig) -> dict[str, Any] | None:
+    """The Hydra app of ``saopd-train`` (a sweep's task function); returns the run's summary
+    (None if it failed).
 
     A single run that fails exits with status 2 (configuration) or re-raises. In a sweep
     (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes

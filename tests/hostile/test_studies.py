@@ -217,6 +217,25 @@ def test_an_unknown_launcher_option_is_one_line_naming_it(tmp_path: Path) -> Non
         "no such option" in proc.stderr
     assert "Traceback" not in proc.stderr
 
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path: Path) -> None:
+    """A user's experiment file with a bracket left open: one line with the file and line,
+    exit 2 (Hydra printed a 40-line traceback first)."""
+    folder = tmp_path / "conf" / "experiment"
+    folder.mkdir(parents=True)
+    (folder / "mine.yaml").write_text("# @package _global_\nsteps: 3\ndata:\n  limit: [1, 2\n"
+                                      "  shuffle: true\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("SAOPD_ROOT", None)
+    for entry in ("saopd-train", "saopd-eval"):
+        proc = subprocess.run([str(TRAIN.with_name(entry)), "--config-dir", str(tmp_path / "conf"),
+                               "experiment=mine"], cwd=tmp_path, capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"{entry}: error: {folder / 'mine.yaml'}, line 5, column 10: did not find expected "
+            "',' or ']' (while parsing a flow sequence at line 4)"]
+
 # ---- a prompt of megabytes -------------------------------------------------------------------
 
 class RecordingTokenizer:
