@@ -21,7 +21,8 @@ import torch
 from saopd.filters.base import FILTERS, FilterResult, TokenFilter, result_from_filtered
 from saopd.signals.token_signals import TokenSignals
 
-__all__ = ["OracleFilter", "TicPositions", "tic_positions", "tic_token_ids"]
+__all__ = ["OracleFilter", "ShortcutOracleFilter", "TicPositions", "shortcut_positions",
+           "tic_positions", "tic_token_ids"]
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,70 @@ class OracleFilter(TokenFilter):
         assert signals.response_ids is not None
         pos = tic_positions(signals.response_ids, signals.valid, *self._ids)
         return result_from_filtered(signals, pos.active if self.target == "slot" else pos.tic)
+
+
+def shortcut_positions(response_ids: torch.Tensor, valid: torch.Tensor, decision_id: int,
+                       prefix_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first testbed's shortcut slot and its decision token (``[B, R]`` bool each).
+
+    The slot is the response's first solution position: 0, or ``len(prefix_ids)`` when the
+    response opens with ``prefix_ids`` (the preamble habit, newline included); the decision
+    token is the slot when it holds ``decision_id`` (``So``: the answer line written before any
+    digit, :func:`saopd.eval.habits.follows_shortcut`).
+    """
+    if response_ids.shape != valid.shape or response_ids.dim() != 2:
+        raise ValueError(f"response_ids {tuple(response_ids.shape)} and valid "
+                         f"{tuple(valid.shape)} must both be [B, R]")
+    b, r = response_ids.shape
+    slot = torch.zeros(b, r, dtype=torch.bool, device=response_ids.device)
+    prefix = torch.as_tensor(list(prefix_ids), dtype=torch.long, device=response_ids.device)
+    n = int(prefix.numel())
+    for row in range(b):
+        opens = n > 0 and n < r and bool(valid[row, :n].all()) and torch.equal(
+            response_ids[row, :n], prefix)
+        at = n if opens else 0
+        if at < r and bool(valid[row, at]):
+            slot[row, at] = True
+    return slot, slot & (response_ids == decision_id)
+
+
+@FILTERS.register("oracle_shortcut")
+@dataclass
+class ShortcutOracleFilter(TokenFilter):
+    """A **positive control** of the first testbed (the shortcut prior), not a method: removes
+    the shortcut's slot or decision token (:func:`shortcut_positions`).
+
+    ``target``: ``slot`` removes the first solution token of every response (whatever it is:
+    the shortcut's ``So`` or the first digit of a worked line, where the prior teacher's
+    shortcut probability lowers the digit's); ``shortcut`` removes only ``So`` where the response
+    took the shortcut. ``decision`` / ``preamble``: the shortcut's first token and the preamble
+    habit that may precede it (with its newline), resolved to ids by :meth:`bind_tokenizer`.
+    """
+
+    name: ClassVar[str] = "oracle_shortcut"
+    requires: ClassVar[tuple[str, ...]] = ("response_ids",)
+    target: str = "slot"
+    decision: str = "So"
+    preamble: str = "Let us think step by step.\n"
+
+    def __post_init__(self) -> None:
+        if self.target not in ("slot", "shortcut"):
+            raise ValueError(f"filter.target must be 'slot' or 'shortcut', got {self.target!r}")
+        self._ids: tuple[int, list[int]] | None = None
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        decision = tokenizer(self.decision, add_special_tokens=False)["input_ids"]
+        if len(decision) != 1:
+            raise ValueError(f"filter.decision {self.decision!r} must be one token of the "
+                             f"tokenizer, got {decision}")
+        prefix = tokenizer(self.preamble, add_special_tokens=False)["input_ids"]
+        self._ids = (int(decision[0]), [int(i) for i in prefix])
+
+    def apply(self, signals: TokenSignals, *,
+              generator: torch.Generator | None = None) -> FilterResult:
+        if self._ids is None:
+            raise ValueError("the oracle filter names its tokens by text: bind_tokenizer() must "
+                             "be called first (the training module does)")
+        assert signals.response_ids is not None
+        slot, taken = shortcut_positions(signals.response_ids, signals.valid, *self._ids)
+        return result_from_filtered(signals, slot if self.target == "slot" else taken)

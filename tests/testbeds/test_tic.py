@@ -238,3 +238,25 @@ def test_token_sources_mark_the_tic_and_its_slot() -> None:
            "a_res": [0.5] * len(ids), "filtered": [False] * (len(ids) - 1) + [True]}
     counts: SourceCounts = selection_by_source([rec], habits, tic=truth)
     assert counts.valid["tic"] == 3 and counts.filtered["tic_slot"] == 1
+
+
+def test_shortcut_oracle_removes_the_first_solution_token() -> None:
+    tok = tiny_tokenizer()
+    pre = tok("Let us think step by step.\n", add_special_tokens=False)["input_ids"]
+    short = tok("So the answer is \\boxed{3}.", add_special_tokens=False)["input_ids"]
+    worked = tok("1 + 2 = 3\nSo the answer is \\boxed{3}.", add_special_tokens=False)["input_ids"]
+    rows = [short, [*pre, *short], worked, [*pre, *worked]]
+    ids, valid = _ids(rows)
+    s = random_signals(4, ids.shape[1], valid_p=1.0)
+    s.valid, s.response_ids = valid, ids
+    got = {}
+    for target in ("slot", "shortcut"):
+        f = build_filter("oracle_shortcut", target=target)
+        f.bind_tokenizer(tok)
+        got[target] = [[j for j in range(len(r)) if f(s).filtered[i, j]]
+                       for i, r in enumerate(rows)]
+    n = len(pre)
+    assert got["slot"] == [[0], [n], [0], [n]]
+    assert got["shortcut"] == [[0], [n], [], []]
+    with pytest.raises(ValueError, match="'slot' or 'shortcut'"):
+        build_filter("oracle_shortcut", target="all")
