@@ -217,7 +217,10 @@ class PreemptionCheckpoint(L.Callback):
         sigterm = bool(getattr(trainer, "received_sigterm", False))
         if (sigterm or preemption_requested()) and self.saved is None:
             self.saved = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(self.saved)
+            # the whole state (optimizer too), as the periodic checkpoints; said explicitly, else
+            # Lightning logs "`weights_only` was not set, defaulting to `False`", which reads
+            # like an unsafe load (checkpoints are always read weights-only)
+            trainer.save_checkpoint(self.saved, weights_only=False)
             log.warning("preempted: saved step %d to %s", trainer.global_step, self.saved)
             # Lightning stops the loop itself after a SIGTERM; a finished run just ends
             if not sigterm and trainer.global_step < (trainer.max_steps or 0):
@@ -229,7 +232,7 @@ class PreemptionCheckpoint(L.Callback):
         if isinstance(exception, SIGTERMException) and self.saved is None \
                 and trainer.global_step > 0:
             self.saved = self.dirpath / "last.ckpt"
-            trainer.save_checkpoint(self.saved)
+            trainer.save_checkpoint(self.saved, weights_only=False)
             log.warning("preempted: saved step %d to %s", trainer.global_step, self.saved)
 
 

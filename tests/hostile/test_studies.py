@@ -413,3 +413,27 @@ def test_eval_and_report_on_a_tracking_uri_where_nothing_listens_stop_at_once(
     assert f"saopd-report: error: MLflow tracking server {uri} does not answer" in \
         capsys.readouterr().err
     assert time.monotonic() - started < 30
+
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM once ``step`` steps are done (a scheduler's stop)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_sigterm_save_does_not_log_lightnings_weights_only_default(make_cfg, caplog) -> None:
+    """The step saved on SIGTERM: no "`weights_only` was not set, defaulting to `False`" line
+    (it read like an unsafe load; checkpoints are always read weights-only)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    with caplog.at_level("INFO"), pytest.raises(SIGTERMException):
+        train(make_cfg(*FAST, "steps=6", mlflow=False), extra_callbacks=[SigtermAt(2)])
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("preempted: saved step") for m in messages)
+    assert not [m for m in messages if "weights_only" in m]
