@@ -328,14 +328,15 @@ def test_a_slurm_local_job_killed_by_sigterm_is_in_the_summary_and_resumes(tmp_p
          f"hydra.sweep.dir={sweep}", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1500  # a loaded machine took 10 minutes to the first step
         while time.monotonic() < deadline and proc.poll() is None and not list(
                 (job / "checkpoints").glob("step_*.ckpt")):
             time.sleep(0.2)
+        assert list((job / "checkpoints").glob("step_*.ckpt")), "no step saved: not signalled"
         pid = _submitit_task(sweep)
         assert pid is not None and proc.poll() is None, "the job ended before it was signalled"
         os.kill(pid, signal.SIGTERM)  # scancel, or a kill by hand
-        out, err = proc.communicate(timeout=600)
+        out, err = proc.communicate(timeout=900)
     finally:
         proc.kill()
     assert proc.returncode == 1, err[-3000:]
