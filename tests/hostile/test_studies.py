@@ -126,7 +126,7 @@ def test_a_tracking_server_that_dies_mid_run_stops_it_within_a_minute(make_cfg, 
     port = free_port()
     server = start_server(backend_store_uri=f"sqlite:///{tmp_path / 'server.db'}",
                           artifacts_destination=tmp_path / "artifacts", port=port, workers=1,
-                          log_file=tmp_path / "server.log")
+                          log_file=tmp_path / "server.log", timeout_s=600)  # a loaded machine
     uri = f"http://127.0.0.1:{port}"
     kill = KillServerAt(server, 2)
     try:
@@ -230,7 +230,7 @@ def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_line(tmp_path: Path
     for entry in ("saopd-train", "saopd-eval"):
         proc = subprocess.run([str(TRAIN.with_name(entry)), "--config-dir", str(tmp_path / "conf"),
                                "experiment=mine"], cwd=tmp_path, capture_output=True, text=True,
-                              env=env, timeout=300)
+                              env=env, timeout=900)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert proc.stderr.strip().splitlines() == [
             f"{entry}: error: {folder / 'mine.yaml'}, line 5, column 10: did not find expected "
