@@ -68,6 +68,8 @@ FILTER_LABELS: dict[str, str | None] = {
     "tip": "TIP",
     "fire": "FiRe-OPD",
     "teachability": "TA-OPD",
+    "oracle": "Oracle (positive control)",
+    "oracle_shortcut": "Oracle: shortcut (positive control)",
 }
 """Paper names of the registered filters (``None``: no filter, the objective names the row)."""
 
