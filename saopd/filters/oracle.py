@@ -96,9 +96,42 @@ def tic_token_ids(tokenizer: Any, text: str, answer_end: str) -> tuple[int, list
     return int(end[0]), [int(i) for i in ids] + [int(tokenizer.eos_token_id)]
 
 
+class _TokenOracle(TokenFilter):
+    """What the oracles share: a ``target`` among :attr:`targets`, token ids resolved from text
+    by :meth:`bind_tokenizer` (:meth:`_resolve`), and a mask per target (:meth:`_masks`)."""
+
+    requires: ClassVar[tuple[str, ...]] = ("response_ids",)
+    targets: ClassVar[tuple[str, ...]] = ()
+    target: str
+
+    def __post_init__(self) -> None:
+        if self.target not in self.targets:
+            raise ValueError(f"filter.target must be one of {list(self.targets)}, got "
+                             f"{self.target!r}")
+        self._ids: tuple[int, list[int]] | None = None
+
+    def bind_tokenizer(self, tokenizer: Any) -> None:
+        self._ids = self._resolve(tokenizer)
+
+    def _resolve(self, tokenizer: Any) -> tuple[int, list[int]]:
+        raise NotImplementedError
+
+    def _masks(self, signals: TokenSignals, ids: tuple[int, list[int]]
+               ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def apply(self, signals: TokenSignals, *,
+              generator: torch.Generator | None = None) -> FilterResult:
+        if self._ids is None:
+            raise ValueError(f"the {self.name} filter names its tokens by text: "
+                             "bind_tokenizer() must be called first (the training module does)")
+        assert signals.response_ids is not None
+        return result_from_filtered(signals, self._masks(signals, self._ids)[self.target])
+
+
 @FILTERS.register("oracle")
 @dataclass
-class OracleFilter(TokenFilter):
+class OracleFilter(_TokenOracle):
     """A **positive control**, not a method: removes the tokens the tic testbed's ground truth
     names (:func:`tic_positions`), to show whether removing the prior's tokens can recover the
     harm at all.
@@ -110,27 +143,19 @@ class OracleFilter(TokenFilter):
     """
 
     name: ClassVar[str] = "oracle"
-    requires: ClassVar[tuple[str, ...]] = ("response_ids",)
+    targets: ClassVar[tuple[str, ...]] = ("slot", "tic")
     target: str = "slot"
     text: str = "Wait, the answer is \\boxed{0}."
     answer_end: str = "}."
 
-    def __post_init__(self) -> None:
-        if self.target not in ("slot", "tic"):
-            raise ValueError(f"filter.target must be 'slot' or 'tic', got {self.target!r}")
-        self._ids: tuple[int, list[int]] | None = None
+    def _resolve(self, tokenizer: Any) -> tuple[int, list[int]]:
+        return tic_token_ids(tokenizer, self.text, self.answer_end)
 
-    def bind_tokenizer(self, tokenizer: Any) -> None:
-        self._ids = tic_token_ids(tokenizer, self.text, self.answer_end)
-
-    def apply(self, signals: TokenSignals, *,
-              generator: torch.Generator | None = None) -> FilterResult:
-        if self._ids is None:
-            raise ValueError("the oracle filter names its tokens by text: bind_tokenizer() must "
-                             "be called first (the training module does)")
+    def _masks(self, signals: TokenSignals, ids: tuple[int, list[int]]
+               ) -> dict[str, torch.Tensor]:
         assert signals.response_ids is not None
-        pos = tic_positions(signals.response_ids, signals.valid, *self._ids)
-        return result_from_filtered(signals, pos.active if self.target == "slot" else pos.tic)
+        pos = tic_positions(signals.response_ids, signals.valid, *ids)
+        return {"slot": pos.active, "tic": pos.tic}
 
 
 def shortcut_positions(response_ids: torch.Tensor, valid: torch.Tensor, decision_id: int,
@@ -160,7 +185,7 @@ def shortcut_positions(response_ids: torch.Tensor, valid: torch.Tensor, decision
 
 @FILTERS.register("oracle_shortcut")
 @dataclass
-class ShortcutOracleFilter(TokenFilter):
+class ShortcutOracleFilter(_TokenOracle):
     """A **positive control** of the first testbed (the shortcut prior), not a method: removes
     the shortcut's slot or decision token (:func:`shortcut_positions`).
 
@@ -172,29 +197,21 @@ class ShortcutOracleFilter(TokenFilter):
     """
 
     name: ClassVar[str] = "oracle_shortcut"
-    requires: ClassVar[tuple[str, ...]] = ("response_ids",)
+    targets: ClassVar[tuple[str, ...]] = ("slot", "shortcut")
     target: str = "slot"
     decision: str = "So"
     preamble: str = "Let us think step by step.\n"
 
-    def __post_init__(self) -> None:
-        if self.target not in ("slot", "shortcut"):
-            raise ValueError(f"filter.target must be 'slot' or 'shortcut', got {self.target!r}")
-        self._ids: tuple[int, list[int]] | None = None
-
-    def bind_tokenizer(self, tokenizer: Any) -> None:
+    def _resolve(self, tokenizer: Any) -> tuple[int, list[int]]:
         decision = tokenizer(self.decision, add_special_tokens=False)["input_ids"]
         if len(decision) != 1:
             raise ValueError(f"filter.decision {self.decision!r} must be one token of the "
                              f"tokenizer, got {decision}")
         prefix = tokenizer(self.preamble, add_special_tokens=False)["input_ids"]
-        self._ids = (int(decision[0]), [int(i) for i in prefix])
+        return int(decision[0]), [int(i) for i in prefix]
 
-    def apply(self, signals: TokenSignals, *,
-              generator: torch.Generator | None = None) -> FilterResult:
-        if self._ids is None:
-            raise ValueError("the oracle filter names its tokens by text: bind_tokenizer() must "
-                             "be called first (the training module does)")
+    def _masks(self, signals: TokenSignals, ids: tuple[int, list[int]]
+               ) -> dict[str, torch.Tensor]:
         assert signals.response_ids is not None
-        slot, taken = shortcut_positions(signals.response_ids, signals.valid, *self._ids)
-        return result_from_filtered(signals, slot if self.target == "slot" else taken)
+        slot, taken = shortcut_positions(signals.response_ids, signals.valid, *ids)
+        return {"slot": slot, "shortcut": taken}
