@@ -90,8 +90,8 @@ def test_registry_add_registers_records() -> None:
         registry.add("x", record)
 
 
-UNKNOWN = (r"unknown benchmark 'gsm9k'; allowed: aime24, aime25, amc23, arith, countqa, evochart, "
-           r"geo3k")
+UNKNOWN = (r"unknown benchmark 'gsm9k'; allowed: aime24, aime25, amc23, arith, arith_tic, countqa, "
+           r"evochart, geo3k")
 
 
 def test_an_unknown_name_lists_the_registered_ones(tmp_path: Path) -> None:
