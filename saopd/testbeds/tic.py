@@ -113,8 +113,10 @@ class TicPriorLM(nn.Module):
                        valid: torch.Tensor) -> torch.Tensor:
         """(**) applied to the base model's log-probs ``[B, R, V]`` (float) at the response
         positions; returns the mixture's log-probs, the same shape (unchanged where inactive)."""
+        if self.rate == 0.0:
+            return logprobs
         pos = tic_positions(response_ids, valid, self.answer_end_id, self.tic_ids)
-        if self.rate == 0.0 or not bool(pos.active.any()):
+        if not bool(pos.active.any()):
             return logprobs
         lp = logprobs.float()
         tok = lp.gather(2, response_ids[..., None])[..., 0]  # base log p_T(y_j), [B, R]
