@@ -34,7 +34,9 @@ class DataConfig:
         max_prompt_length: prompts whose rendered chat template is longer are ``skip``-ped
             (counted), raise (``error``), or are left-truncated when contexts are built
             (``truncate``). With ``skip`` and ``error`` a rendering too long in characters to
-            fit (:func:`saopd.prompts.text.prompt_char_limit`) is not tokenized at all.
+            fit (:func:`saopd.prompts.text.prompt_char_limit`) is not tokenized at all; with
+            ``truncate`` its text is first cut to that many characters from its end
+            (:func:`saopd.prompts.text.cut_prompt_texts`).
         shuffle: shuffle the prompt order (seeded per epoch).
         residual_remove: ``source: vision`` only: what the residual context removes from the
             prompt: ``all`` (images and question, the default), ``image`` (images only) or

@@ -21,6 +21,7 @@ from saopd.config.data import DataConfig
 from saopd.prompts.text import (
     PromptRecord,
     ReadReport,
+    cut_prompt_texts,
     filter_long_prompts,
     gsm8k_records,
     load_jsonl,
@@ -88,8 +89,10 @@ def load_prompts(data: DataConfig, tokenizer: Any, processor: Any = None
     Reads ``data.path`` with the registered source ``data.source``, then drops (``skip``) or
     refuses (``error``) prompts longer than ``data.max_prompt_length`` as rendered for the
     rollout (image tokens counted for ``vision`` prompts); ``truncate`` keeps them for the engine
-    and the contexts to cut. Counts: ``prompts_read``, ``rows_skipped_bad`` and, when the limit
-    is applied here, ``prompts_skipped_long``.
+    and the contexts to cut, after cutting the start of any text too long in characters to fit
+    (:func:`~saopd.prompts.text.cut_prompt_texts`). Counts: ``prompts_read``,
+    ``rows_skipped_bad`` and, when the limit is applied here, ``prompts_skipped_long`` (skip,
+    error) or ``prompts_cut_long`` (truncate).
 
     Raises ``ValueError`` naming the file (missing, malformed rows, nothing left) or the source.
     """
@@ -117,6 +120,9 @@ def load_prompts(data: DataConfig, tokenizer: Any, processor: Any = None
                 records, tokenizer, limit, mode=data.long_prompts,
                 chat_template_kwargs=data.chat_template_kwargs)
         counts["prompts_skipped_long"] = n_long
+    elif limit is not None:  # truncate: cut what no tokenizer should have to read in full
+        text_tokenizer = processor.tokenizer if data.source == "vision" else tokenizer
+        records, counts["prompts_cut_long"] = cut_prompt_texts(records, text_tokenizer, limit)
     if not records:
         raise ValueError(f"no training prompts left from {path} (read {counts['prompts_read']}, "
                          f"skipped {report.skipped} bad rows and "

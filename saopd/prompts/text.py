@@ -17,7 +17,9 @@ reward-style metrics, a gold ``answer``; responses are sampled on-policy by the 
   ``(epoch, position)`` so a run resumes at the exact next prompt, also mid-epoch.
 - :func:`filter_long_prompts` drops (or rejects) prompts whose chat-template rendering is longer
   than ``max_prompt_length`` tokens; a rendering too long in characters to fit
-  (:func:`prompt_char_limit`) is counted as too long without being tokenized.
+  (:func:`prompt_char_limit`) is counted as too long without being tokenized;
+  :func:`cut_prompt_texts` cuts such a prompt's text from its start for ``truncate`` mode, so
+  that the engine's left truncation never tokenizes megabytes.
 
 The vendored GSM8K files live in ``data/gsm8k`` (see its ``PROVENANCE.md``).
 """
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +52,14 @@ __all__ = [
     "PromptSampler",
     "ReadReport",
     "collate_prompts",
+    "cut_prompt_texts",
     "filter_long_prompts",
     "gsm8k_answer",
     "gsm8k_path",
     "gsm8k_records",
     "gsm8k_user_content",
     "load_jsonl",
+    "message_chars",
     "prompt_char_limit",
 ]
 
@@ -392,6 +396,76 @@ def prompt_char_limit(tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
     text costs time in proportion to its length (minutes for a line of tens of megabytes), so
     such a prompt is counted as too long without being tokenized."""
     return CHAR_LIMIT_MARGIN * longest_token_chars(tokenizer) * max_prompt_length
+
+
+def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of text in chat ``messages``: string contents plus the ``text`` of content
+    parts (images and other non-text parts count 0)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part.get("text") or "") for part in content
+                         if isinstance(part, Mapping) and part.get("type") == "text")
+    return total
+
+
+def _cut_text_start(messages: Sequence[Mapping[str, Any]], max_chars: int
+                    ) -> list[dict[str, Any]]:
+    """``messages`` with the start of their text cut so that at most ``max_chars`` characters of
+    text remain: the last characters are kept, walking back from the last message (as left
+    truncation keeps the last tokens); earlier text is emptied. Non-text parts are kept."""
+    budget = max_chars
+    out: list[dict[str, Any]] = []
+    for message in reversed(messages):
+        new = dict(message)
+        content = message.get("content")
+        if isinstance(content, str):
+            new["content"] = content[len(content) - budget:] if budget > 0 else ""
+            budget = max(0, budget - len(content))
+        elif isinstance(content, list):
+            parts: list[Any] = []
+            for part in reversed(content):
+                if isinstance(part, Mapping) and part.get("type") == "text":
+                    text = part.get("text") or ""
+                    part = {**part, "text": text[len(text) - budget:] if budget > 0 else ""}
+                    budget = max(0, budget - len(text))
+                parts.append(part)
+            new["content"] = parts[::-1]
+        out.append(new)
+    return out[::-1]
+
+
+def cut_prompt_texts(
+    records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int,
+) -> tuple[list[PromptRecord], int]:
+    """For ``data.long_prompts=truncate``: cut the start of the text of each prompt whose text is
+    longer than :func:`prompt_char_limit` characters, keeping its last ``prompt_char_limit``
+    characters, before anything tokenizes it.
+
+    The engine then left-truncates the rendered prompt to its last ``max_prompt_length`` tokens
+    as before: the kept tail is at least ``CHAR_LIMIT_MARGIN x max_prompt_length`` tokens long,
+    so those last tokens come from text the cut did not touch (the same ids as without the
+    cut), and a prompt of tens of megabytes no longer costs minutes of tokenizing each time it
+    is sampled. Returns ``(records, n_cut)``; records not over the bound are returned as they
+    are.
+    """
+    limit = prompt_char_limit(tokenizer, max_prompt_length)
+    out: list[PromptRecord] = []
+    n_cut = 0
+    for rec in records:
+        if message_chars(rec.messages) > limit:
+            rec = replace(rec, messages=_cut_text_start(rec.messages, limit))
+            n_cut += 1
+        out.append(rec)
+    if n_cut:
+        logger.warning("%d of %d prompts are over %s characters, more than max_prompt_length %d "
+                       "tokens can hold: the start of their text was cut before tokenizing "
+                       "(data.long_prompts=truncate)", n_cut, len(records), f"{limit:,}",
+                       max_prompt_length)
+    return out, n_cut
 
 
 def filter_long_prompts(

@@ -33,7 +33,7 @@ import torch
 
 from saopd.choices import LONG_PROMPT_MODES, VISION_RESIDUAL_MODES
 from saopd.io import PathLike, iter_jsonl_objects
-from saopd.prompts.text import PromptRecord, ReadReport
+from saopd.prompts.text import PromptRecord, ReadReport, message_chars, prompt_char_limit
 from saopd.validation import check_choice
 
 if TYPE_CHECKING:
@@ -439,13 +439,24 @@ def filter_long_vision_prompts(
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[PromptRecord], int]:
     """:func:`saopd.prompts.text.filter_long_prompts` for chats with images: the length counts
-    the expanded image tokens (:func:`prompt_length`). Returns ``(records, n_skipped)``."""
+    the expanded image tokens (:func:`prompt_length`). A prompt whose text alone is longer than
+    :func:`~saopd.prompts.text.prompt_char_limit` characters (for the processor's tokenizer) is
+    too long without being tokenized (image tokens only add to it). Returns
+    ``(records, n_skipped)``."""
     check_choice("mode", mode, LONG_PROMPT_MODES)
     if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int) or \
             max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be an int >= 1, got {max_prompt_length!r}")
+    char_limit = prompt_char_limit(processor.tokenizer, max_prompt_length)
     kept, too_long = [], []
     for rec in records:
+        chars = message_chars(rec.messages)
+        if chars > char_limit:
+            too_long.append((rec.id, f"{chars:,} characters of text, not tokenized"))
+            if mode == "skip":
+                continue
+            kept.append(rec)
+            continue
         n = prompt_length(processor, rec.messages, chat_template_kwargs=chat_template_kwargs)
         if n > max_prompt_length:
             too_long.append((rec.id, n))

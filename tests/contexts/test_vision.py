@@ -168,6 +168,23 @@ def test_prompt_length_counts_image_tokens_without_decoding_pixels(kind: str) ->
         filter_long_vision_prompts(records, proc, limit, mode="error")
 
 
+def test_a_vision_prompt_with_megabytes_of_text_is_too_long_without_tokenizing() -> None:
+    from saopd.prompts.text import PromptRecord, prompt_char_limit
+    from saopd.prompts.vision import filter_long_vision_prompts
+
+    _, proc = tiny_pair("qwen2_vl")
+    limit = 64
+    text = "x" * (prompt_char_limit(proc.tokenizer, limit * 100) + 1)
+    huge = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    records = [PromptRecord("huge", huge, None, "t"),
+               *(PromptRecord(str(i), c, None, "t") for i, c in enumerate(chats()))]
+    kept, skipped = filter_long_vision_prompts(records, proc, limit * 100)
+    assert skipped == 1 and "huge" not in [r.id for r in kept] and len(kept) == len(chats())
+    # the error names it as measured in characters: the tokenizer never saw it
+    with pytest.raises(ValueError, match=r"'huge' with [\d,]+ characters of text, not tok"):
+        filter_long_vision_prompts(records, proc, limit * 100, mode="error")
+
+
 def test_unexpanded_prompt_text_for_vllm_has_one_placeholder_per_image() -> None:
     from saopd.prompts.vision import render_prompt_text
 

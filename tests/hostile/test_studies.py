@@ -273,6 +273,46 @@ def test_a_prompt_of_megabytes_is_skipped_and_counted_without_tokenizing(tmp_pat
     assert tok.longest < 100_000  # the short prompts only
 
 
+def test_a_prompt_of_megabytes_in_truncate_mode_is_cut_before_tokenizing(tmp_path: Path,
+                                                                        tiny_tok) -> None:
+    """data.long_prompts=truncate keeps the 5 MB prompt, cut in characters first: nothing
+    tokenizes megabytes, and the engine's left truncation gives the same ids as on the whole
+    text."""
+    from saopd.config.data import DataConfig
+    from saopd.prompts.render import render_prompt_ids
+    from saopd.prompts.sources import load_prompts
+    from saopd.prompts.text import prompt_char_limit
+    from saopd.rollout.base import limit_prompts
+
+    words = [f"w{i % 97} " for i in range(600_000)]  # varied text, ~2.4 MB
+    huge = {"id": "huge", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "".join(words)}],
+            "answer": "7"}
+    rows = [{"id": "p0", "messages": [{"role": "user", "content": "What is 1 + 1?"}],
+             "answer": "2"}, huge]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = RecordingTokenizer(tiny_tok)
+    limit = 64
+    records, counts = load_prompts(DataConfig(source="prepared", path=str(path),
+                                              max_prompt_length=limit, long_prompts="truncate"),
+                                   tok)
+    assert [r.id for r in records] == ["p0", "huge"]
+    assert counts == {"prompts_read": 2, "rows_skipped_bad": 0, "prompts_cut_long": 1}
+    assert tok.longest < 100_000
+    cut = records[1].messages
+    assert cut[0]["content"] == ""  # the start (the system turn) is what the engine drops too
+    assert len(cut[1]["content"]) == prompt_char_limit(tiny_tok, limit)
+    assert huge["messages"][1]["content"].endswith(cut[1]["content"])
+    # the engine's left truncation: the same last `limit` ids with or without the cut
+    whole_tail = "".join(words[-20_000:])  # enough text for far more than `limit` tokens
+    ref = render_prompt_ids(tiny_tok, [{"role": "user", "content": whole_tail}])
+    got = render_prompt_ids(tiny_tok, cut)
+    (_, ref_kept), = limit_prompts([ref], limit, "truncate")[0]
+    (_, got_kept), = limit_prompts([got], limit, "truncate")[0]
+    assert got_kept == ref_kept and len(got_kept) == limit
+
+
 # ---- a local Ray cluster ---------------------------------------------------------------------
 
 def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
