@@ -60,15 +60,33 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("saopd_root", lambda: str(repo_root()))
 
 
+def searchpath_dirs(value: str) -> list[Path]:
+    """The local folders of a ``hydra.searchpath`` value as written on a command line
+    (``[file:///a,/b]``, one entry or a list); ``pkg://`` entries (inside installed packages)
+    are not local folders and are left out."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    dirs = []
+    for entry in (e.strip().strip("'\"") for e in text.split(",")):
+        if not entry or entry.startswith("pkg://"):
+            continue
+        dirs.append(Path(entry.removeprefix("file://")).expanduser())
+    return dirs
+
+
 def config_dirs(argv: Sequence[str]) -> list[Path]:
     """The folders of YAML configs an entry point's command line ``argv`` reads: ``conf/``
-    (:func:`conf_dir`) and those ``--config-dir`` / ``-cd`` add."""
+    (:func:`conf_dir`), those ``--config-dir`` / ``-cd`` add, and the local folders of a
+    ``hydra.searchpath=`` override (:func:`searchpath_dirs`)."""
     dirs = [conf_dir()]
     for i, arg in enumerate(argv):
         if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
             dirs.append(Path(argv[i + 1]).expanduser())
         elif arg.startswith("--config-dir="):
             dirs.append(Path(arg.split("=", 1)[1]).expanduser())
+        elif arg.lstrip("+~").startswith("hydra.searchpath="):
+            dirs.extend(searchpath_dirs(arg.split("=", 1)[1]))
     return dirs
 
 
