@@ -15,6 +15,15 @@ outcome to ``<sweep dir>/jobs.jsonl`` as it ends (also from joblib worker proces
 sweep is over, writes ``<sweep dir>/sweep_summary.json``, prints a table of the jobs and exits
 with status 1 if any failed: the sweep ran to the end, and the shell still learns that it was
 not clean.
+
+MLflow. A sweep (or an Optuna search) is one *parent* run in MLflow with its jobs as child runs
+(MLflow's tag ``mlflow.parentRunId``, set when a job's run is created). The parent is created by
+the first job that needs it, under a file lock in the sweep folder (``<sweep dir>/
+mlflow_parent.json`` keeps its id per store and experiment), so parallel jobs and jobs on other
+nodes share it; :class:`SweepSummary` marks it FINISHED (FAILED or KILLED when a job was) when
+the sweep ends. Each job's run is named by :func:`job_run_name`: the experiment name, the job
+number and the overrides that differ across the sweep (``tiny #1 seed=1``), which
+:meth:`SweepSummary.on_multirun_start` writes to ``<sweep dir>/sweep.json`` before the first job.
 """
 
 from __future__ import annotations
@@ -23,19 +32,24 @@ import json
 import logging
 import os
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from saopd.tracking import mark_run_failed
+from saopd.mlflow_ui import SWEEP_PARENT_TAG as PARENT_TAG
+from saopd.tracking import create_parent_run, end_parent_run, mark_run_failed
 
 log = logging.getLogger("saopd.sweeps")
 JOBS_FILE = "jobs.jsonl"
 SUMMARY_FILE = "sweep_summary.json"
 FAILED_FILE = "FAILED.json"
 KILLED_FILE = "KILLED.json"
+SWEEP_FILE = "sweep.json"
+PARENT_FILE = "mlflow_parent.json"
+PARENT_RUN_TAG = "mlflow.parentRunId"
+"""MLflow's tag naming a run's parent: set on every job's run of a sweep."""
 
 
 def is_multirun() -> bool:
@@ -58,6 +72,108 @@ def sweep_tags() -> dict[str, str]:
     hc = HydraConfig.get()
     return {"sweep": str(Path(hc.sweep.dir).resolve()), "sweep_job": str(hc.job.num),
             "overrides": " ".join(hc.overrides.task)}
+
+
+def varying_keys(overrides: Sequence[str],
+                 params: Mapping[str, Any] | None = None) -> list[str]:
+    """The keys a sweep gives several values, in order: those of ``overrides`` (the command
+    line's, e.g. ``seed=0,1``, ``filter.p1=interval(0.1, 0.5)``) and of ``params`` (a
+    sweeper's ``hydra.sweeper.params``) that are sweeps (``a,b``, ``range``, ``choice``,
+    ``interval``). Text Hydra cannot parse is left out (Hydra itself reports it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    texts = [*overrides, *(f"{k}={v}" for k, v in (params or {}).items())]
+    keys: list[str] = []
+    for text in texts:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except Exception:  # not ours to judge
+            continue
+        if override.is_sweep_override() and override.key_or_group not in keys:
+            keys.append(override.key_or_group)
+    return keys
+
+
+def _short_value(text: str) -> str:
+    """An override's value for a run name: a float with at most 4 significant digits."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return f"{value:.4g}" if any(c in text for c in ".eE") else text
+
+
+def job_run_name(base: str, job: int | str, overrides: Sequence[str],
+                 varying: Sequence[str] | None) -> str:
+    """The MLflow run name of sweep job ``job``: ``base`` (the experiment name), ``#<job>`` and
+    the job's ``overrides`` whose key is in ``varying`` (all of them when ``varying`` is None),
+    floats cut to 4 significant digits: ``tiny #3 filter.p1=0.2749 filter.p2=0.41``. The job
+    number keeps names unique when two jobs' shown values round alike."""
+    shown = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        key = key.lstrip("+~")
+        if not sep or (varying is not None and key not in varying) or key.startswith("hydra."):
+            continue
+        shown.append(f"{key}={_short_value(value)}")
+    return " ".join([base, f"#{job}", *shown])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _write_json(path: Path, data: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def sweep_run(uri: str, experiment: str, base_name: str,
+              tags: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
+    """The MLflow run name and the parent tag of this sweep job's new run; ``(None, {})``
+    outside a multirun.
+
+    The parent run (one per sweep, store and experiment) is read from, or created and written
+    to, ``<sweep dir>/mlflow_parent.json`` under a file lock, so that the first job makes it
+    and the others find it. It is named ``<experiment> sweep <folder>`` (``search`` for an
+    Optuna search) and carries the tags of ``tags`` that name the sweep (``study``,
+    ``hparams_search``, ``experiment``), ``saopd.sweep`` (the sweep folder; ``sweep`` stays
+    the jobs' tag, so that ``-t sweep=...`` selects the jobs only), ``saopd.sweep_parent`` and
+    the command line's overrides."""
+    if not is_multirun():
+        return None, {}
+    from filelock import FileLock
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    sweep_dir = Path(hc.sweep.dir).resolve()
+    record = _read_json(sweep_dir / SWEEP_FILE)
+    name = job_run_name(base_name, hc.job.num, list(hc.overrides.task),
+                        record.get("varying"))
+    path = sweep_dir / PARENT_FILE
+    key = f"{uri} {experiment}"
+    with FileLock(str(path) + ".lock"):
+        parents = _read_json(path)
+        if key not in parents:
+            kind = "search" if tags.get("hparams_search") else "sweep"
+            parent_tags = {k: v for k, v in tags.items()
+                           if k in ("study", "hparams_search", "experiment")}
+            parent_tags.update({PARENT_TAG: "true", "saopd.sweep": str(sweep_dir),
+                                "overrides": " ".join(record.get("overrides", []))})
+            run_id = create_parent_run(uri, experiment, run_name=f"{experiment} {kind} "
+                                       f"{sweep_dir.name}", tags=parent_tags)
+            parents[key] = {"tracking_uri": uri, "experiment": experiment, "run_id": run_id}
+            _write_json(path, parents)
+    return name, {PARENT_RUN_TAG: parents[key]["run_id"]}
+
+
+def parent_runs(sweep_dir: Path) -> list[dict[str, str]]:
+    """The sweep's MLflow parent runs (``tracking_uri``, ``experiment``, ``run_id``), as
+    :func:`sweep_run` recorded them."""
+    return list(_read_json(Path(sweep_dir) / PARENT_FILE).values())
 
 
 def record_job_failure(job_dir: Path, error: BaseException) -> dict[str, Any]:
@@ -115,8 +231,10 @@ def record_failed_job(job_dir: Path, error: BaseException, *, tracking_uri: str 
     info = record_job_failure(job_dir, error)
     if tracking_uri is not None:
         try:
-            mark_run_failed(tracking_uri, run_id, experiment=experiment, tags=tags,
-                            error=info["error"])
+            name, parent = (None, {}) if run_id is not None else sweep_run(
+                tracking_uri, experiment, str(tags.get("experiment", experiment)), tags)
+            mark_run_failed(tracking_uri, run_id, experiment=experiment,
+                            tags={**tags, **parent}, error=info["error"], run_name=name)
         except Exception as mlflow_err:
             log.warning("could not record the failed job in MLflow: %s", mlflow_err)
     return info
@@ -152,6 +270,17 @@ except ImportError:  # pragma: no cover - hydra is a dependency
 
 class SweepSummary(_HydraCallback):  # type: ignore[misc]
     """Hydra callback: records every job's outcome and summarises the sweep at its end."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write ``<sweep dir>/sweep.json``: the command line's overrides and the keys the
+        sweep varies (:func:`varying_keys`), which name the jobs' MLflow runs."""
+        hydra_cfg = config.hydra
+        overrides = list(hydra_cfg.overrides.task)
+        params = hydra_cfg.sweeper.get("params") or {}
+        _write_json(Path(hydra_cfg.sweep.dir) / SWEEP_FILE,
+                    {"overrides": overrides,
+                     "varying": varying_keys(overrides, {str(k): str(v)
+                                                         for k, v in params.items()})})
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if not is_multirun():
@@ -205,6 +334,15 @@ class SweepSummary(_HydraCallback):  # type: ignore[misc]
             if j.get("resume"):
                 lines.append(f"       continue it: {j['resume']}")
         print("\n".join(lines), flush=True)
+        status = "FAILED" if failed else "KILLED" if killed else "FINISHED"
+        for parent in parent_runs(sweep_dir):
+            try:
+                end_parent_run(parent["tracking_uri"], parent["run_id"], status=status,
+                               tags={"jobs": str(len(jobs)), "failed": str(len(failed)),
+                                     "killed": str(len(killed))})
+            except Exception as err:  # the summary is written; the parent's status is cosmetic
+                log.warning("could not end the sweep's MLflow parent run %s: %s",
+                            parent["run_id"], err)
         if failed or killed:
             # Hydra turns a callback's exceptions into warnings; SystemExit gets through and
             # makes the sweep's exit status 1 (after every job has run)

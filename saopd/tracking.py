@@ -65,7 +65,9 @@ __all__ = [
     "StoreLockTimeout",
     "bound_http_retries",
     "check_tracking_server",
+    "create_parent_run",
     "default_tracking_uri",
+    "end_parent_run",
     "flatten_params",
     "last_logged_step",
     "local_artifact_location",
@@ -537,20 +539,48 @@ def log_text_artifact(logger: MLFlowLogger, text: str, artifact_path: str) -> No
 
 
 def mark_run_failed(uri: str, run_id: str | None, *, experiment: str,
-                    tags: Mapping[str, str], error: str) -> str:
+                    tags: Mapping[str, str], error: str, run_name: str | None = None) -> str:
     """Mark MLflow run ``run_id`` FAILED with its ``error`` tag (cut to 5,000 characters); with
-    no ``run_id`` (a job that failed before training made its run) make one in ``experiment``
-    with ``tags`` first, so that every job of a sweep is in MLflow. Returns the run's id."""
+    no ``run_id`` (a job that failed before training made its run) make one named
+    ``run_name`` in ``experiment`` with ``tags`` first, so that every job of a sweep is in
+    MLflow. Returns the run's id."""
     import mlflow
 
     with store_lock(uri):
         client = mlflow.MlflowClient(uri)
         if run_id is None:
-            run_id = client.create_run(get_or_create_experiment(client, experiment),
-                                       tags=dict(tags)).info.run_id
+            exp_id = get_or_create_experiment(
+                client, experiment, artifact_location=local_artifact_location(uri, experiment))
+            run_id = client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
         client.set_tag(run_id, "error", error[:5000])
         client.set_terminated(run_id, status="FAILED")
     return run_id
+
+
+def create_parent_run(uri: str, experiment: str, *, run_name: str,
+                      tags: Mapping[str, str]) -> str:
+    """Create a RUNNING run named ``run_name`` in ``experiment`` (created if missing, with the
+    artifacts of :func:`local_artifact_location`) under the store's lock: the parent of a
+    sweep's jobs (:func:`saopd.sweeps.sweep_run`). Returns its id."""
+    import mlflow
+
+    with store_lock(uri):
+        client = mlflow.MlflowClient(uri)
+        exp_id = get_or_create_experiment(
+            client, experiment, artifact_location=local_artifact_location(uri, experiment))
+        return client.create_run(exp_id, run_name=run_name, tags=dict(tags)).info.run_id
+
+
+def end_parent_run(uri: str, run_id: str, *, status: str, tags: Mapping[str, str]) -> None:
+    """Set ``tags`` on a sweep's parent run and end it with ``status`` (FINISHED, FAILED or
+    KILLED)."""
+    import mlflow
+
+    with store_lock(uri):
+        client = mlflow.MlflowClient(uri)
+        for key, value in tags.items():
+            client.set_tag(run_id, key, value)
+        client.set_terminated(run_id, status=status)
 
 
 def mark_run_killed(uri: str, run_id: str) -> None:

@@ -46,7 +46,7 @@ from saopd.lightning.resume import (
 from saopd.lightning.run_tracking import run_tracking_uri, start_tracking
 from saopd.lightning.runs import NonFiniteError, preemption_requested, training_config
 from saopd.lightning.trainer import build_trainer, training_callbacks
-from saopd.mlflow_ui import experiment_url
+from saopd.mlflow_ui import KEY_CHARTS_VIEW, experiment_url, ui_command
 from saopd.models.factory import build_models
 from saopd.objectives import OBJECTIVES
 from saopd.paths import conf_dir, config_dirs, register_resolvers, yaml_problem
@@ -310,11 +310,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         uri, exp_id = summary["tracking_uri"], summary.get("mlflow_experiment_id")
         lines.append(f"  MLflow:      {uri} (experiment '{summary['mlflow_experiment']}', run "
                      f"{summary['run_id']})")
+        # the experiment's key charts, not MLflow 3's GenAI view (saopd.mlflow_ui)
+        view = KEY_CHARTS_VIEW if exp_id else None
         if uri.startswith(("http://", "https://")):  # a tracking server is its own UI
-            lines.append(f"  browse:      {experiment_url(uri, exp_id)}")
-        else:  # the experiment's runs as charts, not MLflow 3's GenAI view (saopd.mlflow_ui)
-            lines += [f"  browse:      mlflow ui --backend-store-uri {uri} --host 127.0.0.1",
-                      f"               then {experiment_url('http://127.0.0.1:5000', exp_id)}"]
+            lines.append(f"  browse:      {experiment_url(uri, exp_id, view=view)}")
+        else:  # the environment's own mlflow: the command works in a fresh shell
+            lines += [f"  browse:      {ui_command(uri)}", "               then "
+                      f"{experiment_url('http://127.0.0.1:5000', exp_id, view=view)}"]
     shown = ("train/loss", "train/flmr", "train/filtered_ratio", "train/kl",
              "train/response_length", "train/step_time")
     lines.append("  last step:   " + ", ".join(

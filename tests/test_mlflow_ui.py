@@ -82,3 +82,33 @@ def test_links_open_the_model_training_view() -> None:
         "http://h:1/#/experiments?workflowType=machine_learning")
     with pytest.raises(ValueError, match="http"):
         experiment_url("sqlite:///mlflow.db", "1")
+
+
+def test_the_printed_mlflow_ui_command_runs_in_a_fresh_shell(tmp_path: Path) -> None:
+    import shlex
+    import subprocess
+
+    from saopd.mlflow_ui import ui_command
+
+    uri = f"sqlite:///{tmp_path / 'with space' / 'mlflow.db'}"
+    words = shlex.split(ui_command(uri, port=5001))
+    assert words[1:] == ["ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port",
+                         "5001"]
+    assert Path(words[0]).is_absolute()  # not a bare `mlflow` a fresh shell does not find
+    fresh = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no venv activated
+    out = subprocess.run([words[0], "ui", "--help"], env=fresh, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--backend-store-uri" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_link_names_the_stored_view_only_when_asked() -> None:
+    from saopd.mlflow_ui import KEY_CHARTS_VIEW, key_charts_state
+
+    assert experiment_url("http://h:1", "7", view=KEY_CHARTS_VIEW).endswith(
+        f"&compareRunsMode=CHART&viewStateShareKey={KEY_CHARTS_VIEW}")
+    assert "viewStateShareKey" not in experiment_url("http://h:1", "7", charts=False,
+                                                     view=KEY_CHARTS_VIEW)
+    state = key_charts_state(["eval/a/avg_at_4", "train/loss"])
+    assert [c["metricKey"] for c in state["compareRunCharts"]] == ["eval/a/avg_at_4",
+                                                                   "train/loss"]
+    assert {c["type"] for c in state["compareRunCharts"]} == {"LINE"}

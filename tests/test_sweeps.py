@@ -81,7 +81,10 @@ def test_failed_job_is_recorded_and_the_parallel_sweep_goes_on(tmp_path: Path) -
     assert failed["error_type"] == "UserError" and "filter.p1=1.5" in failed["overrides"]
 
     client = mlflow.MlflowClient(f"sqlite:///{db}")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    every = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (parent,) = [r for r in every if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "FAILED"  # the sweep's run says a job failed
+    runs = [r for r in every if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     by_job = {r.data.tags["sweep_job"]: r for r in runs}
     assert sorted(by_job) == ["0", "1"]  # every job is one MLflow run, the failed one too
     assert by_job["0"].info.status == "FINISHED"
@@ -113,3 +116,37 @@ def test_a_cluster_launcher_asks_for_the_experiments_resources(launcher: str, ex
 def test_the_ray_launcher_asks_for_the_experiments_resources() -> None:
     cfg = _compose("hydra/launcher=ray_cluster", "experiment=math_qwen3_4b_to_1p7b")
     assert dict(cfg.hydra.launcher.ray.remote) == {"num_cpus": 8, "num_gpus": 1, "max_calls": 1}
+
+
+def test_a_sweep_is_one_mlflow_parent_run_with_a_uniquely_named_child_per_job(
+        tmp_path: Path) -> None:
+    db, sweep = tmp_path / "mlflow.db", tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "saopd.train", "-m", "experiment=tiny", "steps=1",
+           "seed=0,1", "eval.every_n_steps=0", f"hydra.sweep.dir={sweep}",
+           f"logger.tracking_uri=sqlite:///{db}", f"paths.root={REPO}",
+           "trainer.view_every_n_steps=0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((sweep / "sweep.json").read_text())["varying"] == ["seed"]
+
+    client = mlflow.MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2
+    (parent,) = parents
+    assert parent.info.status == "FINISHED"  # ended by the sweep's summary
+    assert parent.data.tags["saopd.sweep"] == str(sweep.resolve())
+    assert "sweep" not in parent.data.tags  # -t sweep=<dir> selects the jobs, not the parent
+    # the command line's overrides (Hydra keeps hydra.* apart)
+    assert parent.data.tags["overrides"].split() == [o for o in cmd[4:]
+                                                     if not o.startswith("hydra.")]
+    assert parent.info.run_name == f"tiny sweep {sweep.name}"
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
+    by_job = {c.data.tags["sweep_job"]: c for c in children}
+    # each child named by the experiment, its job and the one override the sweep varies
+    assert {j: c.info.run_name for j, c in by_job.items()} == {"0": "tiny #0 seed=0",
+                                                              "1": "tiny #1 seed=1"}
+    assert all(c.info.status == "FINISHED" for c in children)

@@ -3,7 +3,8 @@
 One row per run (:func:`load_runs`), in the column layout of ``mlflow.search_runs``:
 ``run_id``, ``run_name``, ``experiment``, ``status``, ``start_time`` plus ``params.<key>``,
 ``tags.<key>`` and ``metrics.<key>`` (the latest value of each metric, i.e. the value at its
-highest step). Runs are chosen by experiment name(s), tags (``study=...``, ``sweep=...``, the
+highest step). A sweep's parent run (tag ``saopd.sweep_parent``) is never one of them: its jobs
+are. Runs are chosen by experiment name(s), tags (``study=...``, ``sweep=...``, the
 run tags ``filter``/``objective``/``seed`` that ``saopd-train`` sets) and/or run ids.
 
 A run's *method* (a row of the paper's tables) comes from :func:`method_labels`: the run's
@@ -31,6 +32,7 @@ from typing import Any
 
 import pandas as pd
 
+from saopd.mlflow_ui import SWEEP_PARENT_TAG
 from saopd.paths import default_tracking_uri
 
 __all__ = [
@@ -205,6 +207,8 @@ def load_runs(client_or_uri: Any, query: RunQuery) -> pd.DataFrame:
         if query.run_ids:
             wanted = set(query.run_ids)
             runs = [r for r in runs if r.info.run_id in wanted]
+        # a sweep's parent run holds no results of its own: its jobs are the runs
+        runs = [r for r in runs if r.data.tags.get(SWEEP_PARENT_TAG) != "true"]
     else:
         from mlflow.exceptions import MlflowException
 

@@ -12,8 +12,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from saopd.config.train import TrainConfig
+from saopd.eval.benchmarks import BENCHMARKS
 from saopd.lightning.resume import RunPlan, claimed_by, write_run_record
-from saopd.sweeps import run_tags
+from saopd.mlflow_ui import KEY_METRICS, set_key_charts
+from saopd.sweeps import run_tags, sweep_run
 from saopd.tracking import (
     FOLDER_TAG,
     RUN_UID_TAG,
@@ -24,7 +26,7 @@ from saopd.tracking import (
     read_run_tags,
 )
 
-__all__ = ["run_tracking_uri", "start_tracking"]
+__all__ = ["key_metrics", "run_tracking_uri", "start_tracking"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,11 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
     the run it was copied from). The MLflow fields of ``plan.identity`` are filled and the
     record rewritten. Logged at once: the resume's deliberate ``changes`` (a tag), ``params``
     (extra parameters), and for a new MLflow run the resolved config ``cfg`` and the data
-    counts (``data/<name>`` at step 0). Call it in the process that tracks (global rank 0).
-    The info also holds ``mlflow_experiment_id``, for the UI's address of the experiment.
+    counts (params ``data_rows.<name>``: as metrics they were one-point charts that the UI's
+    chart view opened on). The experiment's key charts (:func:`saopd.mlflow_ui.set_key_charts`:
+    held-out accuracy, loss, FLMR, filtered ratio) are stored on it. Call it in the process
+    that tracks (global rank 0). The info also holds ``mlflow_experiment_id``, for the UI's
+    address of the experiment.
     """
     if conf.logger.kind == "none":
         return [], {}
@@ -53,12 +58,28 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
     log_params(logger, {k: str(v) for k, v in params.items()})
     if new_run:
         log_resolved_config(logger, cfg)
-        for name, value in data_counts.items():
-            logger.log_metrics({f"data/{name}": float(value)}, step=0)
+        log_params(logger, {f"data_rows.{name}": str(int(value))
+                            for name, value in data_counts.items()})
+    try:
+        set_key_charts(logger.experiment, logger.experiment_id, key_metrics(conf))
+    except Exception as err:  # the UI's default view only: the run goes on
+        log.warning("could not store the experiment's key charts: %s", err)
     ident = plan.identity
     return [logger], {"tracking_uri": ident.tracking_uri,
                       "mlflow_experiment": ident.mlflow_experiment,
                       "mlflow_experiment_id": logger.experiment_id, "run_id": logger.run_id}
+
+
+def key_metrics(conf: TrainConfig) -> list[str]:
+    """The metrics of the experiment's key charts: the held-out accuracy of its first benchmark
+    (``eval/<benchmark>/avg_at_<k>``, when the run evaluates), then
+    :data:`saopd.mlflow_ui.KEY_METRICS` (loss, FLMR, filtered ratio)."""
+    ev = conf.eval
+    first = list(ev.benchmarks or [])[:1]
+    if not first or not (ev.every_n_steps or ev.at_start):
+        return list(KEY_METRICS)
+    k = ev.k if ev.k is not None else BENCHMARKS.get(first[0]).k
+    return [f"eval/{first[0]}/avg_at_{k}", *KEY_METRICS]
 
 
 def run_tracking_uri(conf: TrainConfig, plan: RunPlan) -> str:
@@ -93,8 +114,13 @@ def _mlflow_logger(conf: TrainConfig, plan: RunPlan) -> tuple[Any, bool]:
                     "saopd.copied_from_folder": str(parent.get("folder"))})
         if parent.get("checkpoint"):
             own["saopd.copied_from_checkpoint"] = str(parent["checkpoint"])
+    tags = {**run_tags(conf), **own}
+    if run_id is None:  # a sweep's job: a child of the sweep's run, named by what it varies
+        job_name, parent = sweep_run(uri, name, conf.logger.run_name or conf.experiment_name,
+                                     tags)
+        run_name, tags = job_name or run_name, {**tags, **parent}
     logger = make_mlflow_logger(experiment_name=name, tracking_uri=uri, run_name=run_name,
-                                run_id=run_id, tags={**run_tags(conf), **own},
+                                run_id=run_id, tags=tags,
                                 root=Path(conf.paths.root))
     if run_id is not None:  # a continued run: it is this folder's now
         for key, value in own.items():

@@ -49,7 +49,9 @@ def test_tiny_search_finds_the_best_of_what_the_trials_logged(tmp_path: Path) ->
     assert len(trials) == 4
     client = MlflowClient(store)
     exp = client.get_experiment_by_name("tiny")
-    runs = client.search_runs([exp.experiment_id])
+    every = client.search_runs([exp.experiment_id])
+    (search,) = [r for r in every if "mlflow.parentRunId" not in r.data.tags]
+    runs = [r for r in every if r.data.tags.get("mlflow.parentRunId") == search.info.run_id]
     assert {r.info.run_id for r in runs} == set(trials)  # every trial is an MLflow run
     for run in runs:
         trial = trials[run.info.run_id]
