@@ -323,6 +323,39 @@ def test_a_prompt_of_megabytes_in_truncate_mode_is_cut_before_tokenizing(tmp_pat
 
 # ---- a local Ray cluster ---------------------------------------------------------------------
 
+def test_a_local_ray_cluster_is_refused_when_ray_was_imported_before_the_switch() -> None:
+    """Ray reads its multi-node switch when imported: a sweep in a process that imported ray
+    first cannot keep its local cluster on loopback, and says so instead of listening on every
+    interface; with the switch set in the environment it goes on; a cluster given by address is
+    left as it is."""
+    pytest.importorskip("ray", reason="the Ray launcher is the [ray] extra (make setup has it)")
+    code = (
+        "import os, sys\n"
+        "from hydra_plugins.saopd_launchers.ray_launcher import keep_on_loopback, "
+        "starts_local_cluster, MULTI_NODE_ENV\n"
+        "assert starts_local_cluster({'init': {'address': None}})\n"
+        "assert starts_local_cluster({'init': {'address': 'local'}})\n"
+        "assert not starts_local_cluster({'init': {'address': 'auto'}})\n"
+        "import ray\n"
+        "try:\n"
+        "    keep_on_loopback()\n"
+        "except RuntimeError as err:\n"
+        "    print('refused:', err)\n"
+        "os.environ[MULTI_NODE_ENV] = '0'\n"
+        "keep_on_loopback()\n"
+        "print('switch set: ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("refused: ray was imported before the sweep started, so its "
+                               "local cluster would listen on every interface")
+    assert lines[1:] == ["switch set: ok"]
+
+
 def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
     """hydra/launcher=ray_cluster without an address: every listener of the cluster it starts
     (GCS, raylet, workers, agents) is on loopback (they were on every interface and on the
