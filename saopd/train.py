@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -45,7 +44,7 @@ from saopd.lightning.resume import (
 )
 from saopd.lightning.run_tracking import run_tracking_uri, start_tracking
 from saopd.lightning.runs import NonFiniteError, preemption_requested, training_config
-from saopd.lightning.trainer import build_trainer, training_callbacks
+from saopd.lightning.trainer import build_trainer, progress_callback, training_callbacks
 from saopd.mlflow_ui import KEY_CHARTS_VIEW, experiment_url, ui_command
 from saopd.models.factory import build_models
 from saopd.objectives import OBJECTIVES
@@ -70,14 +69,6 @@ CONF_DIR = str(conf_dir())
 
 class UserError(Exception):
     """A problem with the user's configuration or inputs: reported without a traceback."""
-
-
-# Intentional here: the frozen teacher stays in eval mode; checkpoints hold the weights after
-# each step's optimizer update (manual optimization), which is what resuming needs; and the prompt
-# loader needs no saved state to resume mid-epoch (a step's batch is a function of the step).
-for _pattern in (r".*module\(s\) in eval mode.*", r".*pre-optimization state was saved.*",
-                 r".*your dataloader is not resumable.*"):
-    warnings.filterwarnings("ignore", message=_pattern)
 
 
 def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> dict[str, Any]:
@@ -132,10 +123,13 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
             "logger", start_tracking, conf, plan, cfg, changes=changes, data_counts=data_counts,
             params={f"teacher_contexts.{k}": v for k, v in contexts.items() if k != "choice"}
         ) if zero else ([], {})
-        evals = (_checked("eval", EvalCallback.from_config, conf, plan.folder)
+        progress = progress_callback(conf)
+        evals = (_checked("eval", EvalCallback.from_config, conf, plan.folder,
+                          on_evaluated=progress.evaluated if progress else None)
                  if conf.eval.every_n_steps else None)
         trainer = _checked("trainer", build_trainer, conf, plan.folder, loggers=loggers, callbacks=[
-            *training_callbacks(conf, engine, plan.folder), *([evals] if evals else []),
+            *([progress] if progress else []), *training_callbacks(conf, engine, plan.folder),
+            *([evals] if evals else []),
             RunIdentityCallback(plan.identity, run_config), *(extra_callbacks or [])])
         _fit(trainer, module, data, plan.checkpoint, tracking_uri=uri, folder=plan.folder)
     summary = {"output_dir": str(plan.folder), "steps": trainer.global_step, **run_info,

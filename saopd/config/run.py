@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from saopd.choices import LOGGERS
-from saopd.validation import check_choice, check_int
+from saopd.validation import check_choice, check_int, check_positive
 
 __all__ = ["LoggerConfig", "PathsConfig", "TrainerConfig"]
 
@@ -33,7 +33,12 @@ class TrainerConfig:
         keep_all_checkpoints: keep every periodic checkpoint (default: only the latest one and
             ``last.ckpt``; a student with AdamW state is ~3x its weights).
         view_every_n_steps: write the filtered-token HTML view this often (0 = never).
-        progress_bar: show Lightning's progress bar.
+        progress_bar: show the run's progress (:class:`saopd.lightning.callbacks.ProgressLines`):
+            a line with the step, loss, KL, FLMR, s/step and the time left, and one per
+            evaluation with its scores and time; false: quiet (CI, sweeps whose jobs' output
+            is noise).
+        progress_bar_every_s: a progress line at least this often, in seconds of the run (and
+            after the first and the last step; 0: after every step).
         threads: torch's intra-op CPU threads in each training process
             (``torch.set_num_threads``); null = torch's default (one per core). Tiny models run
             faster on one thread: with two, each small matrix product pays for the threads'
@@ -52,12 +57,15 @@ class TrainerConfig:
     keep_all_checkpoints: bool = False
     view_every_n_steps: int = 10
     progress_bar: bool = True
+    progress_bar_every_s: float = 10.0
     threads: int | None = None
 
     def __post_init__(self) -> None:
         check_int("threads", self.threads, owner="trainer", allow_none=True)
         check_int("checkpoint_every_n_steps", self.checkpoint_every_n_steps, owner="trainer")
         check_int("num_nodes", self.num_nodes, owner="trainer")
+        check_positive("progress_bar_every_s", self.progress_bar_every_s, owner="trainer",
+                       allow_zero=True)
         check_choice("process_group_backend", self.process_group_backend,
                      (None, "nccl", "gloo"), owner="trainer")
         check_choice("fsdp_mixed_precision", self.fsdp_mixed_precision, (None, "bf16"),

@@ -1,15 +1,18 @@
-"""Callbacks: rollouts before every step, the filtered-token view every N steps."""
+"""Callbacks: rollouts before every step, the filtered-token view every N steps, held-out
+evaluations, and the run's progress as log lines."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 
 from saopd.analysis.token_records import (
     StepView,
@@ -27,6 +30,9 @@ from saopd.io import write_jsonl_atomic
 from saopd.lightning.data import StepBatch
 from saopd.rollout.base import RolloutEngine, SamplingParams
 from saopd.rollout.registry import build_engine
+
+#: The logger of the progress lines (:class:`ProgressLines`): on the console and in the run's log.
+progress_log = logging.getLogger("saopd.progress")
 
 
 class RolloutCallback(L.Callback):
@@ -197,13 +203,16 @@ class EvalCallback(L.Callback):
     (0-based, as the ``train/`` metrics), the evaluation before the first step at index -1; the
     per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/`` (``eval/initial/`` before the first
     step). ``results`` keeps every evaluation of this process: step index -> metrics. A resumed
-    run does not repeat the evaluation before the first step.
+    run does not repeat the evaluation before the first step. ``on_evaluated(step, metrics,
+    seconds)`` is called after each evaluation (:meth:`ProgressLines.evaluated` prints it).
     """
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
                  grade_workers: int | None = None, at_start: bool = False,
-                 sampler: str = "multinomial") -> None:
+                 sampler: str = "multinomial",
+                 on_evaluated: Callable[[int, dict[str, float], float], None] | None = None,
+                 ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         for name in problems:  # an unknown name fails now, not at the first evaluation
@@ -216,10 +225,13 @@ class EvalCallback(L.Callback):
         self.grade_workers = grade_workers
         self.at_start = at_start
         self.sampler = sampler
+        self.on_evaluated = on_evaluated
         self.results: dict[int, dict[str, float]] = {}
 
     @classmethod
-    def from_config(cls, conf: TrainConfig, out_dir: str | Path) -> EvalCallback:
+    def from_config(cls, conf: TrainConfig, out_dir: str | Path, *,
+                    on_evaluated: Callable[[int, dict[str, float], float], None] | None = None,
+                    ) -> EvalCallback:
         """The run's evaluation (``conf.eval``): its benchmarks loaded now (``ValueError`` or
         ``FileNotFoundError`` for a missing or malformed one), sampled with the run's seed."""
         ev = conf.eval
@@ -228,7 +240,7 @@ class EvalCallback(L.Callback):
         sampling = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p,
                                   max_new_tokens=ev.max_new_tokens, seed=conf.seed)
         return cls(ev.every_n_steps, problems, sampling, out_dir, at_start=ev.at_start,
-                   batch_size=ev.batch_size, sampler=ev.sampler)
+                   batch_size=ev.batch_size, sampler=ev.sampler, on_evaluated=on_evaluated)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.at_start and trainer.global_step == 0:
@@ -242,6 +254,7 @@ class EvalCallback(L.Callback):
             self._evaluate(trainer, pl_module, step=done - 1, folder=f"step_{done - 1:06d}")
 
     def _evaluate(self, trainer: L.Trainer, pl_module: Any, *, step: int, folder: str) -> None:
+        started = time.perf_counter()
         contexts = pl_module.contexts
         # HF generate on the module being trained, even when training samples with vLLM: there
         # are no weights to sync, and the engine lives only for this evaluation
@@ -261,3 +274,101 @@ class EvalCallback(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         self.results[step] = metrics
+        if self.on_evaluated is not None:
+            self.on_evaluated(step, metrics, time.perf_counter() - started)
+
+
+def clock_time(seconds: float) -> str:
+    """``seconds`` as ``M:SS`` or ``H:MM:SS`` (``75.4`` -> ``1:15``)."""
+    minutes, secs = divmod(round(max(seconds, 0.0)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class ProgressLines(ProgressBar):
+    """The run's progress bar as log lines (logger ``saopd.progress``: the console and the run's
+    log file), readable in a terminal, a CI log or a piped ``make run`` alike, where a redrawn bar
+    is not. Written on the global-zero rank only.
+
+    A line after the first step, the last one, and any step that ends ``every_s`` seconds or
+    more after the previous line (0: every step)::
+
+        step 40/200 | loss -0.2874 | kl 0.1403 | flmr 0.05 | 2.64 s/step | 1:49 elapsed, ~7:02 left
+
+    with the last step's logged ``train/`` metrics that the run has (loss, KL, the filter's FLMR
+    and filtered ratio), the wall seconds per step since the previous line and the training time
+    left at the run's mean step (evaluations excluded: each has its own line, from
+    :meth:`evaluated`). ``clock``: the time source (seconds)."""
+
+    #: ``train/`` metrics shown, with their names in the line.
+    SHOWN = (("train/loss", "loss"), ("train/kl", "kl"), ("train/flmr", "flmr"),
+             ("train/filtered_ratio", "filtered"))
+
+    def __init__(self, every_s: float = 10.0, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        if not every_s >= 0:
+            raise ValueError(f"every_s must be >= 0 seconds, got {every_s!r}")
+        self.every_s = float(every_s)
+        self.clock = clock
+        self.enabled = True
+        self._first = 0  # the global step training starts from (0, or a resumed run's)
+        self._started = self._last_line = clock()
+        self._eval_s = 0.0  # seconds spent evaluating since training started
+        self._mark = (0, 0.0)  # the step and the training seconds of the last step line
+
+    def disable(self) -> None:
+        """No lines (Lightning disables the bar on ranks other than global zero)."""
+        self.enabled = False
+
+    def enable(self) -> None:
+        """Lines again."""
+        self.enabled = True
+
+    def write(self, line: str) -> None:
+        """One line of progress (when enabled); the interval restarts from it."""
+        if self.enabled:
+            progress_log.info("%s", line)
+            self._last_line = self.clock()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._first = trainer.global_step
+        self._started = self._last_line = self.clock()
+        self._eval_s = 0.0
+        self._mark = (self._first, 0.0)
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if total is not None:
+            start = f" from step {self._first}" if self._first else ""
+            self.write(f"training {total - self._first} steps{start}")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if not self.enabled:
+            return
+        now, step = self.clock(), trainer.global_step
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if not (step == self._first + 1 or step == total
+                or now - self._last_line >= self.every_s):
+            return
+        trained = now - self._started - self._eval_s
+        mark_step, mark_s = self._mark
+        self._mark = (step, trained)
+        metrics = trainer.callback_metrics
+        parts = [f"step {step}/{total}" if total else f"step {step}"]
+        parts += [f"{name} {float(metrics[key]):.4g}" for key, name in self.SHOWN
+                  if key in metrics]
+        parts.append(f"{(trained - mark_s) / max(step - mark_step, 1):.3g} s/step")
+        when = f"{clock_time(now - self._started)} elapsed"
+        if total and step < total:
+            mean = trained / max(step - self._first, 1)
+            when += f", ~{clock_time(mean * (total - step))} left"
+        self.write(" | ".join([*parts, when]))
+
+    def evaluated(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        """An evaluation's line (:class:`EvalCallback`'s ``on_evaluated``): when, its wall time
+        and its scores, e.g. ``eval after step 25 (21.4 s) | arith/avg_at_4 0.4625 | ...``;
+        ``step`` is the 0-based index of the step just taken (-1: before the first step)."""
+        self._eval_s += seconds
+        when = "before training" if step < 0 else f"after step {step + 1}"
+        scores = [f"{key.removeprefix('eval/')} {value:.4g}" for key, value in metrics.items()]
+        self.write(" | ".join([f"eval {when} ({seconds:.1f} s)", *scores]))

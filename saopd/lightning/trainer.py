@@ -3,29 +3,75 @@
 :func:`build_trainer` turns ``conf.trainer`` (:class:`saopd.config.run.TrainerConfig`) into a
 ``lightning.Trainer`` with the run's callbacks; :func:`strategy` picks DDP or FSDP2
 (``ModelParallelStrategy``, see :mod:`saopd.models.sharding`) or passes a Lightning strategy name
-through.
+through; :func:`progress_callback` is the run's progress (``trainer.progress_bar``). Importing
+this module filters the known noise of Lightning and torch out of a run's output
+(:func:`quiet_known_noise`).
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
 from saopd.config.train import TrainConfig
 from saopd.data_parallel import num_training_processes
-from saopd.lightning.callbacks import RolloutCallback, TokenViewCallback
+from saopd.lightning.callbacks import ProgressLines, RolloutCallback, TokenViewCallback
 from saopd.lightning.checkpoints import CHECKSUM_SUFFIX, VerifiedCheckpointIO
 from saopd.lightning.runs import FiniteGuard, PreemptionCheckpoint
 from saopd.rollout.base import RolloutEngine, SamplingParams
 from saopd.rollout.registry import holds_weights
 
-__all__ = ["RunCheckpoint", "build_trainer", "checkpoint_callback", "data_parallel_size",
-           "strategy"]
+__all__ = ["AdvertFilter", "RunCheckpoint", "build_trainer", "checkpoint_callback",
+           "data_parallel_size", "progress_callback", "quiet_known_noise", "strategy"]
+
+#: Lightning's loggers of ``rank_zero_info`` (the fabric's or the trainer's, whichever was set
+#: last), where its tips are logged.
+RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero",
+                     "lightning.fabric.utilities.rank_zero")
+#: Warnings that a run meets by design or from its libraries, each as (message regex, module
+#: regex or "" for any, why it is not the user's business).
+KNOWN_WARNINGS = (
+    (r".*module\(s\) in eval mode.*", "", "the frozen teacher stays in eval mode"),
+    (r".*pre-optimization state was saved.*", "",
+     "checkpoints hold the weights after each step's update (manual optimization): what "
+     "resuming needs"),
+    (r".*your dataloader is not resumable.*", "",
+     "a step's prompts are a function of the step: the loader needs no state to resume"),
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree",
+     "torch's deprecation met inside Lightning's own code (its _pytree helper)"),
+)
+
+
+class AdvertFilter(logging.Filter):
+    """Drops Lightning's adverts for its cloud packages (the ``💡 Tip: ... install
+    [litlogger]`` / ``[litmodels]`` lines every ``Trainer`` logs), nothing else."""
+
+    PACKAGES = ("pypi.org/project/litlogger/", "pypi.org/project/litmodels/")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("💡 Tip:") and any(p in message for p in self.PACKAGES))
+
+
+def quiet_known_noise() -> None:
+    """Filter :data:`KNOWN_WARNINGS` and Lightning's adverts (:class:`AdvertFilter`, on the
+    :data:`RANK_ZERO_LOGGERS`) out of the run's output; idempotent."""
+    for message, module, _why in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
+    for name in RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, AdvertFilter) for f in logger.filters):
+            logger.addFilter(AdvertFilter())
+
+
+quiet_known_noise()
 
 
 def data_parallel_size(conf: TrainConfig) -> int:
@@ -140,14 +186,26 @@ def training_callbacks(conf: TrainConfig, engine: RolloutEngine,
     return callbacks
 
 
+def progress_callback(conf: TrainConfig) -> ProgressLines | None:
+    """The run's progress lines (``trainer.progress_bar``, every ``trainer.progress_bar_every_s``
+    seconds: :class:`~saopd.lightning.callbacks.ProgressLines`); None when it is off."""
+    t = conf.trainer
+    return ProgressLines(t.progress_bar_every_s) if t.progress_bar else None
+
+
 def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
                   callbacks: list[L.Callback]) -> L.Trainer:
     """The run's ``Trainer``: ``conf.steps`` optimizer steps, one rollout batch each, logging
     every step, no validation loop; the prompt loader splits each step's batch by rank itself;
     checkpoints written atomically, checksummed and finite (:mod:`saopd.lightning.checkpoints`).
     Under SLURM, Lightning's own requeue on ``SIGUSR1`` is off: saopd's cluster launchers save
-    and requeue a preempted job (``hydra_plugins.saopd_launchers``)."""
+    and requeue a preempted job (``hydra_plugins.saopd_launchers``). Progress: the
+    ``ProgressBar`` among ``callbacks``, else :func:`progress_callback`'s, else none (never
+    Lightning's redrawn bar)."""
     t = conf.trainer
+    if not any(isinstance(c, ProgressBar) for c in callbacks):
+        progress = progress_callback(conf)
+        callbacks = [progress, *callbacks] if progress is not None else callbacks
     plugins: list[Any] = [VerifiedCheckpointIO()]
     if SLURMEnvironment.detect():  # the launcher requeues; Lightning's would save elsewhere
         plugins.append(SLURMEnvironment(auto_requeue=False))
@@ -155,7 +213,8 @@ def build_trainer(conf: TrainConfig, out_dir: Path, *, loggers: list[Any],
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=strategy(conf), precision=t.precision, max_steps=conf.steps, logger=loggers,
         callbacks=callbacks, log_every_n_steps=1, num_sanity_val_steps=0, limit_val_batches=0,
-        enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        enable_progress_bar=any(isinstance(c, ProgressBar) for c in callbacks),
+        enable_model_summary=False,
         default_root_dir=str(out_dir), use_distributed_sampler=False,
         plugins=plugins,
     )
