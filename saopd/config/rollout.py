@@ -78,17 +78,26 @@ class HFRolloutConfig(RolloutConfig):
             ``model.generate`` samples for a seed) or ``inverse_cdf`` (one uniform per row: the
             same distribution, another random stream, ~20x cheaper per draw on CPU). Only the
             lean loop (text students of ``LEAN_DECODE_MODEL_TYPES``) can use ``inverse_cdf``.
+        static_cache: sample through ``model.generate`` with transformers' static KV cache and
+            its compiled decode step (``torch.compile``, CUDA graphs on a GPU) instead of the
+            lean loop; the same tokens for a seed as ``generate`` and the same raw log-probs.
+            Off by default: its speed-up at the paper's shapes has not been measured on a GPU
+            yet (docs/benchmarks.md); ``multinomial`` sampler only.
     """
 
     engine: str = "hf"
     batch_size: int | None = None
     sampler: str = "multinomial"
+    static_cache: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_engine(self.engine, "hf")
         check_int("batch_size", self.batch_size, owner="rollout", allow_none=True)
         check_choice("sampler", self.sampler, ROLLOUT_SAMPLERS, owner="rollout")
+        if self.static_cache and self.sampler != "multinomial":
+            raise ValueError("rollout.static_cache=true samples through model.generate, which "
+                             "draws with multinomial only: set rollout.sampler=multinomial")
         if self.async_steps:
             raise ValueError("rollout.async_steps=1 needs an engine with its own copy of the "
                              "weights (rollout=vllm with rollout.in_process=false, or "

@@ -4,6 +4,7 @@ entry (``conf/model/*.yaml``)."""
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -12,7 +13,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
+from saopd.config.run import TrainerConfig
 from saopd.config.train import TrainConfig
 from saopd.models.loading import load_causal_lm, load_tokenizer, resolve_source
 from saopd.models.pruning import prune_layers
@@ -38,11 +42,32 @@ if TYPE_CHECKING:
 #: (:func:`saopd.testbeds.planted.plant_priors`), which lives above the scoring layer it hooks.
 MODEL_WRAPPERS: Registry[Callable[..., Any]] = Registry("model wrapper")
 
-def build_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_device(trainer: TrainerConfig) -> torch.device | None:
+    """Where a run's text models are loaded: this process's GPU (``cuda:LOCAL_RANK``, or the
+    ``LOCAL_RANK``-th of a ``trainer.devices`` list) when the trainer runs on GPUs with whole
+    models per process (one GPU, DDP) and CUDA is available; None (the CPU, Lightning moves the
+    models later) on CPU and under ``trainer.strategy=fsdp``, whose sharding starts from the
+    CPU copy."""
+    if trainer.strategy == "fsdp" or not torch.cuda.is_available():
+        return None
+    if trainer.accelerator not in ("gpu", "cuda", "auto"):
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    devices = trainer.devices
+    if isinstance(devices, (list, tuple)) and devices:
+        return torch.device("cuda", int(devices[local % len(devices)]))
+    return torch.device("cuda", local)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None
+                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load or build the model (eval mode) and its tokenizer, pruning layers if asked.
 
-    For a vision-language config this returns the model and its processor's tokenizer; use
-    :func:`build_vlm` when the processor is needed (prompts with images).
+    ``device``: a hub / folder model is loaded straight onto it in ``cfg.dtype``
+    (:func:`~saopd.models.loading.load_causal_lm`), a tiny one moved there once built; None =
+    the CPU. For a vision-language config this returns the model and its processor's
+    tokenizer (on the CPU); use :func:`build_vlm` when the processor is needed (prompts with
+    images).
     """
     if cfg.is_vision:
         model, processor = build_vlm(cfg)
@@ -51,10 +76,13 @@ def build_model(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         tokenizer = tiny_tokenizer()
         make = tiny_qwen3 if cfg.tiny == "qwen3" else tiny_llama
         model = make(tokenizer, layers=cfg.tiny_layers, hidden=cfg.tiny_hidden, seed=cfg.seed)
+        if device is not None:
+            model = model.to(device)
     else:
         assert cfg.name_or_path is not None
         model = load_causal_lm(cfg.name_or_path, dtype=cfg.dtype,
-                               trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+                               trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
+                               device=device)
         tokenizer = load_tokenizer(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
                                    revision=cfg.revision)
     if cfg.prune_every is not None or cfg.prune_keep is not None:
@@ -135,8 +163,11 @@ class ModelPair:
 
 def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
                chat_template_kwargs: Mapping[str, Any] | None = None,
-               teacher_contexts: str = "auto") -> ModelPair:
+               teacher_contexts: str = "auto",
+               device: torch.device | str | None = None) -> ModelPair:
     """Build student and teacher and check that they can be distilled one into the other.
+
+    ``device``: where text models are loaded (:func:`build_model`; None = the CPU).
 
     Both must be text models or both vision-language models; a VLM pair's processors must agree
     (:func:`~saopd.models.vlm.check_same_processor`, rendering with ``chat_template_kwargs``),
@@ -157,8 +188,8 @@ def build_pair(student_cfg: ModelConfig, teacher_cfg: ModelConfig, *,
                              chat_template_kwargs=chat_template_kwargs)
         tokenizer, teacher_tok = processor.tokenizer, teacher_processor.tokenizer
     else:
-        student, tokenizer = build_model(student_cfg)
-        teacher, teacher_tok = build_model(teacher_cfg)
+        student, tokenizer = build_model(student_cfg, device=device)
+        teacher, teacher_tok = build_model(teacher_cfg, device=device)
     vocab = check_vocabularies(tokenizer, teacher_tok, student, teacher)
     scored = scored_contexts(vocab, teacher_contexts, vision=processor is not None)
     return ModelPair(student, teacher, tokenizer, teacher_tok, processor, vocab, scored)
@@ -218,7 +249,8 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
                               chat_template_kwargs: Mapping[str, Any] | None = None,
                               teacher_contexts: str = "auto",
                               teacher_folder: bool = True,
-                              folder_parent: str | Path | None = None) -> ModelPair:
+                              folder_parent: str | Path | None = None,
+                              device: torch.device | str | None = None) -> ModelPair:
     """The student and the teacher's tokenizer (processor) and config, checked as
     :func:`build_pair` checks a pair, without the teacher's weights: for a teacher-scoring
     service (``teacher_scoring=vllm|vllm_server``) that scores the teacher elsewhere.
@@ -290,7 +322,7 @@ def build_student_for_service(student_cfg: ModelConfig, teacher_cfg: ModelConfig
                              chat_template_kwargs=chat_template_kwargs)
         tokenizer = processor.tokenizer
     else:
-        student, tokenizer = build_model(student_cfg)
+        student, tokenizer = build_model(student_cfg, device=device)
     # the teacher's head width from its config (no weights here)
     vocab = check_vocabularies(tokenizer, teacher_tok, student, SimpleNamespace(config=config))
     try:
@@ -307,14 +339,21 @@ def build_models(conf: TrainConfig) -> ModelPair:
     """The run's pair from its config: both models (:func:`build_pair`) when the trainer scores
     the teacher itself (``teacher_scoring=hf``), else the student and the teacher's tokenizer
     and config only (:func:`build_student_for_service`), with the teacher's model folder for
-    ``teacher_scoring=vllm``. ``ValueError`` as those."""
+    ``teacher_scoring=vllm``. ``ValueError`` as those.
+
+    Text models are loaded straight onto the run's GPU (:func:`load_device`), except next to an
+    in-process vLLM engine (``rollout=vllm``, ``teacher_scoring=vllm``), which sizes its memory
+    from the GPU's free memory when it starts: there they load on the CPU and Lightning moves
+    them once the engine holds its share."""
     ts = conf.teacher_scoring
+    engine = getattr(conf.rollout, "engine", None)
+    device = None if "vllm" in (engine, ts.backend) else load_device(conf.trainer)
     if ts.backend == "hf":
         return build_pair(conf.student, conf.teacher,
                           chat_template_kwargs=conf.data.chat_template_kwargs,
-                          teacher_contexts=conf.teacher_contexts)
+                          teacher_contexts=conf.teacher_contexts, device=device)
     return build_student_for_service(conf.student, conf.teacher,
                                      chat_template_kwargs=conf.data.chat_template_kwargs,
                                      teacher_contexts=conf.teacher_contexts,
                                      teacher_folder=ts.backend == "vllm",
-                                     folder_parent=ts.model_dir)
+                                     folder_parent=ts.model_dir, device=device)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HubUnavailableError",
+    "init_causal_lm",
     "load_causal_lm",
     "load_tokenizer",
     "resolve_dtype",
@@ -202,16 +203,23 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     revision: str | None = None,
     gguf_file: str | None = None,
+    device: str | torch.device | None = None,
 ) -> PreTrainedModel:
     """Load a causal LM (eval mode) from a local folder, a ``.gguf`` file or a hub id.
 
-    GGUF weights are de-quantised to ``dtype``; such a model cannot be ``save_pretrained``-ed
-    (see :func:`smollm2_135m_instruct` for the conversion). Raises ``FileNotFoundError`` for a
-    missing local path and :class:`HubUnavailableError` when the hub is needed but unreachable.
+    ``device``: load each weight straight onto this device, in ``dtype`` (transformers'
+    ``device_map``), so that no CPU copy of the model is built and then moved; None = the CPU,
+    as transformers loads by default. GGUF weights are de-quantised to ``dtype``; such a model
+    cannot be ``save_pretrained``-ed (see :func:`smollm2_135m_instruct` for the conversion).
+    Raises ``FileNotFoundError`` for a missing local path and :class:`HubUnavailableError` when
+    the hub is needed but unreachable.
     """
     from transformers import AutoModelForCausalLM
 
     source = resolve_source(name_or_path, gguf_file, kind="model")
+    extra: dict[str, Any] = {}
+    if device is not None:
+        extra["device_map"] = {"": torch.device(device)}
     model = from_pretrained(
         AutoModelForCausalLM,
         source,
@@ -219,7 +227,34 @@ def load_causal_lm(
         revision,
         dtype=resolve_dtype(dtype),
         trust_remote_code=trust_remote_code,
+        **extra,
     )
+    return model.eval()
+
+
+def init_causal_lm(
+    config: Any,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of ``config`` (a transformers config), eval mode.
+
+    Built directly on ``device`` (None = the CPU) in ``dtype``: every parameter is allocated
+    once, in its final dtype and place (no float32 model built first and then cast, no CPU copy
+    moved afterwards), so peak memory is about the model's bytes. Weights are drawn from
+    transformers' own initialisation after ``torch.manual_seed(seed)`` (on a GPU the stream
+    differs from the CPU's for the same seed).
+    """
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_dtype(dtype)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError("init_causal_lm needs an explicit dtype, not 'auto'")
+    torch.manual_seed(seed)
+    with torch.device(torch.device(device) if device is not None else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolved)
     return model.eval()
 
 

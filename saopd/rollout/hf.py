@@ -77,9 +77,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "END_OF_TURN_TOKENS",
+    "STATIC_CACHE_ROUND",
     "HFGenerateEngine",
     "default_stop_token_ids",
 ]
+
+#: The static KV cache's length is rounded up to a multiple of this many tokens
+#: (``HFGenerateEngine(static_cache=True)``).
+STATIC_CACHE_ROUND = 256
 
 # Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
@@ -165,6 +170,14 @@ class HFGenerateEngine:
             :mod:`saopd.rollout.sampling`); a student that needs ``model.generate`` (a
             vision-language model, another family, ``lean_decode=False``) refuses
             ``inverse_cdf`` at its first call.
+        static_cache: sample with ``model.generate`` over transformers' static KV cache
+            (``cache_implementation="static"``, sized up to a multiple of
+            :data:`STATIC_CACHE_ROUND` tokens so that steps reuse one shape) with its decode
+            step compiled by ``torch.compile`` (``mode="reduce-overhead"``: CUDA graphs, on a
+            GPU); the lean loop is then not used. Tokens and raw log-probs as ``generate``'s.
+        compile_backend: ``torch.compile``'s backend for the static-cache decode step
+            (``"inductor"``; ``"eager"`` traces without generating code, for tests); None =
+            the static cache without compiling. Compiled on the CPU too.
 
     Generation runs under ``torch.no_grad()`` with the model in eval mode; each submodule's
     train/eval mode is restored afterwards. With ``SamplingParams.seed`` set, the CPU RNG and the
@@ -190,6 +203,8 @@ class HFGenerateEngine:
         processor: Any | None = None,
         lean_decode: bool = True,
         sampler: str = "multinomial",
+        static_cache: bool = HFRolloutConfig.static_cache,
+        compile_backend: str | None = "inductor",
     ) -> None:
         if not callable(getattr(model, "generate", None)):
             raise TypeError(f"model must have a generate method, got {type(model).__name__}")
@@ -206,6 +221,11 @@ class HFGenerateEngine:
         self.lean_decode = bool(lean_decode)
         check_choice("sampler", sampler, SAMPLERS, owner="HFGenerateEngine")
         self.sampler = sampler
+        self.static_cache = bool(static_cache)
+        if self.static_cache and sampler != "multinomial":
+            raise ValueError("HFGenerateEngine.static_cache samples through model.generate, "
+                             "which draws with multinomial only")
+        self.compile_backend = compile_backend
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if eos_token_ids is not None:
             stop = tuple(dict.fromkeys(_as_id_list(eos_token_ids)))
@@ -227,7 +247,7 @@ class HFGenerateEngine:
                     tokenizer: PreTrainedTokenizerBase, setup: EngineSetup) -> HFGenerateEngine:
         """The engine ``rollout=hf`` builds (:func:`saopd.rollout.registry.build_engine`)."""
         return cls(student, tokenizer, batch_size=conf.batch_size, greedy=conf.greedy,
-                   sampler=conf.sampler,
+                   sampler=conf.sampler, static_cache=conf.static_cache,
                    max_prompt_length=setup.max_prompt_length,
                    prompt_truncation=setup.prompt_truncation,
                    chat_template_kwargs=setup.chat_template_kwargs, processor=setup.processor)
@@ -295,7 +315,9 @@ class HFGenerateEngine:
 
         return [SuppressTokensLogitsProcessor(sorted(self._vision_ids), device=device)]
 
-    def _generation_config(self, sampling: SamplingParams) -> Any:
+    def _generation_config(self, sampling: SamplingParams, length: int = 0) -> Any:
+        """``generate``'s settings; ``length``: prompt width + new tokens (the static cache's
+        minimum size)."""
         from transformers import GenerationConfig
 
         kwargs: dict[str, Any] = {
@@ -317,7 +339,29 @@ class HFGenerateEngine:
             kwargs.update(
                 do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
             )
+        if self.static_cache:
+            kwargs.update(cache_implementation="static", **self._compile_kwargs(length))
         return GenerationConfig(**kwargs)
+
+    def _compile_kwargs(self, length: int) -> dict[str, Any]:
+        """The static cache's size (``length`` = prompt width + ``max_new_tokens``, rounded up to
+        :data:`STATIC_CACHE_ROUND`: later calls with other widths reuse the cache's shape, and
+        the compiled step) and the decode step's compile settings."""
+        from transformers import CompileConfig
+
+        out: dict[str, Any] = {"max_cache_len": -(-length // STATIC_CACHE_ROUND) *
+                               STATIC_CACHE_ROUND}
+        if self.compile_backend is None:
+            out["disable_compile"] = True
+            return out
+        on_gpu = self.device.type == "cuda"
+        compile_config = CompileConfig(backend=self.compile_backend, fullgraph=False,
+                                       mode="reduce-overhead" if on_gpu else None)
+        # transformers compiles on CUDA-like devices only unless this flag is set (its own
+        # documented switch "to compile on e.g. CPU"): the CPU tests run the compiled path
+        compile_config._compile_all_devices = True
+        out["compile_config"] = compile_config
+        return out
 
     def _vision_kwargs(self, visions: Sequence[Any], input_ids: torch.Tensor,
                        device: torch.device) -> dict[str, torch.Tensor]:
@@ -351,7 +395,7 @@ class HFGenerateEngine:
         :func:`~saopd.rollout.hf_decode.lean_decode` instead of
         ``model.generate`` (``lean_decode`` set, a model family the tests check it on
         (:data:`LEAN_DECODE_MODEL_TYPES`), no processor, not FSDP-sharded across ranks)."""
-        if not self.lean_decode or self.processor is not None:
+        if not self.lean_decode or self.static_cache or self.processor is not None:
             return False
         config = getattr(self.model, "config", None)
         if getattr(config, "model_type", None) not in LEAN_DECODE_MODEL_TYPES or getattr(
@@ -385,7 +429,7 @@ class HFGenerateEngine:
                 f"{getattr(getattr(self.model, 'config', None), 'model_type', None)!r}, "
                 f"vision inputs or a sharded model): model.generate samples with multinomial "
                 f"only; set rollout.sampler=multinomial")
-        config = self._generation_config(sampling)
+        config = self._generation_config(sampling, width + sampling.max_new_tokens)
         extra = self._vision_kwargs(visions or [], input_ids, device)
         recorder = RawLogprobRecorder()
         model = self.model

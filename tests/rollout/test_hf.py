@@ -22,6 +22,7 @@ from saopd.rollout import (
     SamplingParams,
     default_stop_token_ids,
 )
+from tests.helpers.tolerance import assert_float_close
 
 EOS = 2  # tiny tokenizer: <|im_end|>
 CHATS = [
@@ -525,3 +526,56 @@ def test_lean_decode_only_for_checked_model_families(tok):
         assert not engine.uses_lean_decode()
     finally:
         model.config.model_type = "qwen3"
+
+
+# --------------------------------------------------------------------------------------------------
+# static KV cache + compiled decode step (rollout.static_cache)
+
+
+@pytest.mark.parametrize("backend", [None, "eager"])
+def test_static_cache_samples_as_the_default_path(tok, backend):
+    """The static-cache engine (transformers' StaticCache through generate; its decode step
+    compiled when a backend is given, traced by dynamo with ``eager``) gives the default lean
+    loop's greedy tokens, and for a fixed seed generate's sampled tokens, and raw log-probs equal
+    to a teacher-forced log-softmax of the same model: padded batches, rows that stop early."""
+    model = _model(tok, "qwen3")
+    static = HFGenerateEngine(model, tok, batch_size=2, static_cache=True, compile_backend=backend)
+    assert not static.uses_lean_decode()
+    greedy_static = HFGenerateEngine(model, tok, batch_size=2, greedy=True, static_cache=True,
+                                     compile_backend=backend)
+    greedy_lean = HFGenerateEngine(model, tok, batch_size=2, greedy=True)
+    sampling = SamplingParams(n=2, max_new_tokens=12, seed=3)
+    a, b = greedy_static.generate(CHATS, sampling), greedy_lean.generate(CHATS, sampling)
+    assert [r.response_ids for r in a.rollouts] == [r.response_ids for r in b.rollouts]
+    # generate took its compiled decode step (transformers keeps it on the model) only if asked
+    assert hasattr(model, "_compiled_call") == (backend is not None)
+    plain = HFGenerateEngine(model, tok, batch_size=2, lean_decode=False)
+    sampled = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_new_tokens=12, seed=11)
+    s, p = static.generate(CHATS, sampled), plain.generate(CHATS, sampled)
+    assert [r.response_ids for r in s.rollouts] == [r.response_ids for r in p.rollouts]
+    assert any(r.finished for r in s.rollouts) and any(len(r.response_ids) > 1
+                                                       for r in s.rollouts)
+    for r in [*a.rollouts, *s.rollouts]:
+        ref = _teacher_forced(model, static.prompt_ids(CHATS[r.prompt_index]), r.response_ids)
+        assert_float_close(torch.tensor(r.sampler_logprobs), ref, ulps=64)
+
+
+def test_static_cache_is_sized_in_rounded_steps_and_refuses_inverse_cdf(tok):
+    """The cache length is prompt width + new tokens rounded up to STATIC_CACHE_ROUND (steps of
+    other prompt widths reuse one shape); the option is refused with the inverse-CDF sampler."""
+    from saopd.config.rollout import HFRolloutConfig
+    from saopd.rollout.hf import STATIC_CACHE_ROUND
+
+    engine = HFGenerateEngine(_model(tok), tok, static_cache=True)
+    sampling = SamplingParams(max_new_tokens=12)
+    for length, expected in ((13, STATIC_CACHE_ROUND), (STATIC_CACHE_ROUND, STATIC_CACHE_ROUND),
+                             (STATIC_CACHE_ROUND + 1, 2 * STATIC_CACHE_ROUND)):
+        config = engine._generation_config(sampling, length)
+        assert config.cache_implementation == "static" and config.max_cache_len == expected
+    off = HFGenerateEngine(_model(tok), tok)._generation_config(sampling, 13)
+    assert off.cache_implementation is None
+    with pytest.raises(ValueError, match="multinomial"):
+        HFGenerateEngine(_model(tok), tok, static_cache=True, sampler="inverse_cdf")
+    with pytest.raises(ValueError, match="multinomial"):
+        HFRolloutConfig(static_cache=True, sampler="inverse_cdf")
+    assert HFRolloutConfig().static_cache is False
