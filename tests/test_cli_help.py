@@ -1,0 +1,99 @@
+"""The command lines' ``--help`` fits one screen and says what a user needs: ``saopd-train``'s
+names every config group with its options, every launcher, the main knobs at this command's
+values and where runs go (``SAOPD_ROOT``), with the raw config behind ``--cfg job`` as Hydra
+has it; ``saopd-eval``'s the same for evaluations. No help names a session or an issue."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from saopd.paths import repo_root
+
+CONF = repo_root() / "conf"
+HISTORY = re.compile(r"session [0-9]|issue [0-9]", re.IGNORECASE)
+#: Launchers Hydra's installed plugins bring (the others are conf/hydra/launcher/*.yaml).
+PLUGIN_LAUNCHERS = ("basic", "joblib")
+
+
+def _run(module: str, *args: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def _groups() -> dict[str, list[str]]:
+    """Every config group of conf/ (but Hydra's own) with its options, from the files."""
+    return {d.name: sorted(f.stem for f in d.glob("*.yaml"))
+            for d in sorted(CONF.iterdir()) if d.is_dir() and d.name != "hydra"}
+
+
+@pytest.fixture(scope="module")
+def train_help() -> str:
+    return _run("saopd.train", "--help", "steps=7", "trainer.progress_bar=false")
+
+
+def test_train_help_fits_one_screen_and_names_groups_launchers_and_root(train_help: str
+                                                                         ) -> None:
+    lines = train_help.rstrip("\n").splitlines()
+    assert len(lines) <= 60, len(lines)
+    shown = {name: options.split(", ") for name, _, options in
+             (line.partition(": ") for line in lines) if name in _groups()}
+    assert shown == _groups()  # every group, each with all its options
+    launchers = sorted(f.stem for f in (CONF / "hydra" / "launcher").glob("*.yaml"))
+    assert launchers  # slurm, slurm_local, ray_cluster
+    for launcher in (*PLUGIN_LAUNCHERS, *launchers):
+        assert f"hydra/launcher={launcher} " in train_help, launcher
+    assert "SAOPD_ROOT" in train_help
+    assert f"Root:   {repo_root()};" in train_help
+    assert f"{repo_root()}/outputs/testbed/" in train_help  # the default experiment's runs
+    assert "--cfg job" in train_help
+    assert not HISTORY.search(train_help)
+
+
+def test_train_help_shows_this_commands_values_not_the_raw_config(train_help: str) -> None:
+    assert "steps=7 " in train_help
+    assert "trainer.progress_bar=False " in train_help
+    assert "name_or_path:" not in train_help  # the raw config is --cfg job's
+
+
+def test_cfg_job_still_prints_the_whole_config() -> None:
+    out = _run("saopd.train", "--cfg", "job", "experiment=tiny")
+    for key in ("student:", "name_or_path:", "trainer:", "progress_bar: true",
+                "progress_bar_every_s: 10.0", "steps: 3"):
+        assert key in out, key
+
+
+def test_eval_help_fits_one_screen() -> None:
+    out = _run("saopd.evaluate", "--help", "limit=9")
+    lines = out.rstrip("\n").splitlines()
+    assert len(lines) <= 60, len(lines)
+    assert "model: " in out and "rollout: " in out
+    assert "limit=9 " in out
+    assert "SAOPD_ROOT" in out and "--cfg job" in out
+    assert "name_or_path:" not in out
+    assert not HISTORY.search(out)
+
+
+@pytest.mark.parametrize("module", ["saopd.report", "saopd.serve"])
+def test_argparse_help_names_no_history(module: str) -> None:
+    out = _run(module, "--help")
+    assert out.startswith("usage: saopd-")
+    assert not HISTORY.search(out)
+
+
+def test_history_pattern_finds_history() -> None:
+    assert HISTORY.search("fixed in Session 9") and HISTORY.search("see issue 25")
+    assert not HISTORY.search("a session of training")
+
+
+def test_groups_are_read_from_conf() -> None:
+    groups = _groups()
+    assert "testbed" in groups["experiment"] and "hf" in groups["rollout"]
+    assert "hydra" not in groups
