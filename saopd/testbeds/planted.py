@@ -1,4 +1,4 @@
-"""A teacher with planted, known priors: the testbed for what SA-OPD filters (issue 8).
+"""A teacher with planted, known priors: the testbed for what SA-OPD filters.
 
 :class:`PlantedPriorLM` wraps a causal LM and adds two known biases to its next-token logits z_t
 (``[V]`` at position t of row b):
