@@ -81,8 +81,9 @@ class HFRolloutConfig(RolloutConfig):
         static_cache: sample through ``model.generate`` with transformers' static KV cache and
             its compiled decode step (``torch.compile``, CUDA graphs on a GPU) instead of the
             lean loop; the same tokens for a seed as ``generate`` and the same raw log-probs.
-            Off by default: its speed-up at the paper's shapes has not been measured on a GPU
-            yet (docs/benchmarks.md); ``multinomial`` sampler only.
+            At the paper's shapes on one H100: 2.3-2.5x the lean loop's sampled tokens/s, but
+            its first step compiles (18-54 s; docs/benchmarks.md), so it is off by default;
+            vLLM remains the GPU engine. ``multinomial`` sampler only.
     """
 
     engine: str = "hf"
