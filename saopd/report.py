@@ -20,9 +20,15 @@ where ``saopd-train`` logs) and writes to ``--out`` (default ``<repo>/outputs/re
   and ``entropy_<method>.png`` (Figure 3b, when the records carry the student entropy);
 - ``sources.csv`` (the runs used) and ``report.json`` (files, notes, MLflow run).
 
-Everything is also logged to a new run of MLflow experiment ``reports`` (``--log-to report``,
-the default; ``runs`` also adds each training run's own dynamics figure to it under
-``report/``; ``none`` logs nothing). Bad input (no runs, unknown experiment, no score metric)
+- ``accuracy_over_steps.png``: each benchmark's held-out score over the steps trained, per
+  method the mean over its seeds with a 95% band (:func:`saopd.analysis.plots.
+  over_steps_figure`), when the runs evaluated during training.
+
+Tables show mean ± 95% CI over seeds (``--spread``) with the seed count, rounded to the
+intervals (``--decimals``), bold only where a method's interval separates (``--marks``).
+Nothing is logged to MLflow unless asked: ``--log-to report`` logs everything to a new run of
+experiment ``reports``; ``runs`` also adds each training run's own dynamics figure to it under
+``report/``. Bad input (no runs, unknown experiment, no score metric)
 exits with status 2 and a message naming the problem.
 """
 
@@ -60,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="saopd-report", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Tables: best/second-best among methods (references excluded) in bold/underlined; "
-               "values are the latest eval metric of each run, x --scale.")
+        epilog="Tables: mean ± 95%% CI over seeds; a method in bold where its interval lies "
+               "above every other method's (references excluded); values are the latest eval "
+               "metric of each run, x --scale.")
     sel = p.add_argument_group("which runs")
     sel.add_argument("--tracking-uri", default=None,
                      help="MLflow store (default: $MLFLOW_TRACKING_URI, else "
@@ -90,11 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
                      " filter=none, objective=sampled)")
     tab.add_argument("--highlight", default="SA-OPD",
                      help="method shown last, shaded, with a per-benchmark gain row")
-    tab.add_argument("--spread", choices=("std", "ci95"), default="std",
-                     help="seed spread: sample std (default) or 95%% CI half-width (t)")
+    tab.add_argument("--spread", choices=("std", "ci95"), default="ci95",
+                     help="seed spread: 95%% CI half-width of the mean (t; default) or the "
+                          "sample std")
+    tab.add_argument("--marks", choices=("interval", "rank"), default="interval",
+                     help="interval (default): bold only where a method's 95%% interval lies "
+                          "above every other's; rank: best bold, second underlined")
     tab.add_argument("--scale", type=float, default=100.0,
                      help="multiply scores (fractions) by this (default 100: percent)")
-    tab.add_argument("--decimals", type=int, default=1, help="digits after the point")
+    tab.add_argument("--decimals", type=int, default=None,
+                     help="digits after the point (default: two significant digits of the "
+                          "smallest 95%% interval; 1 without intervals)")
     tab.add_argument("--caption", default=None, help="table caption")
     tab.add_argument("--no-table", action="store_true",
                      help="no results table (runs without eval metrics: figures only)")
@@ -111,10 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None,
                      help="output folder (default <repo>/outputs/reports/<YYYYmmdd-HHMMSS>)")
-    out.add_argument("--log-to", choices=("report", "runs", "none"), default="report",
-                     help="report: a new run in --report-experiment holds every file "
-                          "(default); runs: that, and each source run gets its own dynamics "
-                          "figure under report/; none: no MLflow logging")
+    out.add_argument("--log-to", choices=("report", "runs", "none"), default="none",
+                     help="none: no MLflow logging (default); report: a new run in "
+                          "--report-experiment holds every file; runs: that, and each source "
+                          "run gets its own dynamics figure under report/")
     out.add_argument("--report-experiment", default="reports",
                      help="MLflow experiment of the report run (default: reports)")
     return p
@@ -209,7 +222,8 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
             scores, {c.metric: column_label(c, cols) for c in cols},
             labels=pd.Series(list(labels), index=scores.index),
             references=references, baseline=args.baseline, highlight=args.highlight,
-            spread=args.spread, scale=args.scale, decimals=args.decimals, caption=args.caption)
+            spread=args.spread, scale=args.scale, decimals=args.decimals, caption=args.caption,
+            marking=args.marks)
         notes.extend(table.notes)
         written = write_table_files(table, out, title=args.caption or "Results")
         files.extend(written.values())
@@ -288,6 +302,7 @@ def _figures(client: Any, runs: Any, labels: Any, seeds: Any, out: Path,
         missing = sorted({LOSS_METRIC, FLMR_METRIC} - have)
         notes.append(f"training dynamics figure skipped: no selected run logged "
                      f"{', '.join(missing)}")
+    _accuracy_figure(client, runs, groups, out, args, notes, produced)
     if set(ENTROPY_METRICS) <= have:
         fig = entropy_over_steps_figure(hist, names)
         produced["_files"].append(save_figure(fig, out / "entropy_over_steps.png"))
@@ -295,6 +310,28 @@ def _figures(client: Any, runs: Any, labels: Any, seeds: Any, out: Path,
         notes.append(f"entropy-over-steps figure skipped: no run logged "
                      f"{' / '.join(ENTROPY_METRICS)}")
     return produced
+
+
+def _accuracy_figure(client: Any, runs: Any, groups: dict[str, str], out: Path,
+                     args: argparse.Namespace, notes: list[str],
+                     produced: dict[str, Any]) -> None:
+    """``accuracy_over_steps.png``: the held-out scores over steps, mean and 95% band per
+    method (:func:`saopd.analysis.plots.over_steps_figure`)."""
+    from saopd.analysis.plots import over_steps_figure, save_figure
+    from saopd.analysis.runs import NoRunsError, benchmark_columns, column_label, metric_histories
+
+    wanted = [b.strip() for b in args.benchmarks.split(",") if b.strip()] \
+        if args.benchmarks else None
+    try:
+        cols = benchmark_columns(runs, wanted)
+    except NoRunsError:
+        notes.append("accuracy-over-steps figure skipped: no selected run has an "
+                     "eval/<benchmark>/avg_at_<k> metric")
+        return
+    hist = metric_histories(client, runs["run_id"], [c.metric for c in cols])
+    panels = [(c.metric, f"held-out {column_label(c, cols)} (Avg@{c.k})") for c in cols]
+    fig = over_steps_figure(hist, groups, panels, order=list(dict.fromkeys(groups.values())))
+    produced["_files"].append(save_figure(fig, out / "accuracy_over_steps.png"))
 
 
 def _token_outputs(client: Any, runs: Any, labels: Any, out: Path, args: argparse.Namespace,

@@ -24,6 +24,14 @@ run and run folder, and saves it in ``<sweep dir>/best.json`` beside Optuna's
 point and each trial's error (saopd's Optuna sweeper, :mod:`hydra_plugins.saopd_launchers.
 optuna_sweeper`, lets it end). ``hydra.sweeper.n_trials`` below 1 is refused at the start.
 
+Storage and resume. Every config keeps the study in ``<sweep dir>/optuna.db`` (SQLite,
+``hydra.sweeper.storage``) under a fixed ``hydra.sweeper.study_name``; ``hydra.sweeper.n_trials``
+counts the study's trials, old and new (:func:`resume_plan`). A search that was killed (Ctrl-C,
+``kill``, a node lost) continues with the same command and ``hydra.sweep.dir=<its folder>``:
+the trials it finished are kept, a trial it left running is marked failed (and its budget run
+again), job folders continue after the last one, and the sampler is reseeded so that it does
+not propose the first trials again. The command is printed when the search starts.
+
 The held-out problems choose the hyperparameters here: a score reported on the same problems
 afterwards is optimistic. Report the chosen point on fresh seeds (and, where the benchmark has
 them, other problems).
@@ -36,20 +44,106 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from filelock import FileLock
 from omegaconf import OmegaConf
 
+from saopd.mlflow_ui import console_command
 from saopd.sweeps import is_multirun
 
-__all__ = ["BEST_FILE", "TRIALS_FILE", "SearchObjectives", "best_trials", "objective_values",
-           "unlogged_metric"]
+__all__ = ["BEST_FILE", "TRIALS_FILE", "ResumePlan", "SearchObjectives", "best_trials",
+           "continue_command", "objective_values", "prepare_sqlite_storage", "resume_plan",
+           "tie_line", "train_metric_names", "unlogged_metric"]
 
 TRIALS_FILE = "trials.jsonl"
 BEST_FILE = "best.json"
 OPTUNA_RESULTS = "optimization_results.yaml"  # written by hydra-optuna-sweeper
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a search finds in its storage before its first trial.
+
+    Attributes:
+        finished: trials that ended (complete, failed or pruned): they count against
+            ``n_trials``.
+        interrupted: trials left RUNNING by a search that was killed, now marked failed.
+        to_run: the trials this search runs, ``n_trials`` minus ``finished`` (at least 0).
+        next_job: the job number of its first trial (one past every stored trial), so that job
+            folders are not reused.
+    """
+
+    finished: int
+    interrupted: int
+    to_run: int
+    next_job: int
+
+
+def resume_plan(study: Any, n_trials: int) -> ResumePlan:
+    """Mark the trials of ``study`` (an ``optuna.Study``) that a killed search left RUNNING as
+    failed, and say how many of ``n_trials`` are still to run (:class:`ResumePlan`)."""
+    import optuna
+
+    trials = study.get_trials(deepcopy=False)
+    running = [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    for trial in running:  # nothing runs them now: the process that did is gone
+        study._storage.set_trial_state(trial._trial_id, optuna.trial.TrialState.FAIL)
+    finished = len(trials) - len(running)
+    return ResumePlan(finished=finished, interrupted=len(running),
+                      to_run=max(0, n_trials - finished), next_job=len(trials))
+
+
+def prepare_sqlite_storage(storage: str | None) -> Path | None:
+    """Make a ``sqlite:///`` Optuna storage openable; its database file (None for other
+    storages).
+
+    Creates the file's folder, Optuna's tables and the schema's version stamp. Optuna 2.10
+    stamps a new database's schema version on a connection it never commits, which SQLAlchemy
+    2 rolls back: opening the storage then fails (``assert version is not None``). The stamp
+    here is committed; a stamped database is left as it is."""
+    prefix = "sqlite:///"
+    if not storage or not str(storage).startswith(prefix):
+        return None
+    db = Path(str(storage)[len(prefix):].split("?", 1)[0])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    import alembic.config
+    import alembic.migration
+    import alembic.script
+    import sqlalchemy
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb import storage as rdb
+
+    engine = sqlalchemy.create_engine(str(storage))
+    try:
+        models.BaseModel.metadata.create_all(engine)
+        base = Path(rdb.__file__).parent
+        config = alembic.config.Config(str(base / "alembic.ini"))
+        config.set_main_option("script_location", str(base / "alembic").replace("%", "%%"))
+        script = alembic.script.ScriptDirectory.from_config(config)
+        with engine.begin() as conn:  # committed on leaving
+            context = alembic.migration.MigrationContext.configure(conn)
+            if context.get_current_revision() is None:
+                context.stamp(script, script.get_current_head())
+    finally:
+        engine.dispose()
+    return db
+
+
+def tie_line(values: Mapping[int, Sequence[float]], best: Sequence[float]) -> str | None:
+    """One line when several trials (``{job: values}``, the completed ones) share the best
+    ``values``: how many, which jobs, and that the search did not separate them; None when the
+    best is one trial's."""
+    tied = sorted(job for job, v in values.items() if list(v) == list(best))
+    if len(tied) < 2:
+        return None
+    shown = ", ".join(f"#{j}" for j in tied[:10]) + (" ..." if len(tied) > 10 else "")
+    every = " (every completed trial)" if len(tied) == len(values) else ""
+    return (f"  tie: {len(tied)} of {len(values)} completed trials{every} share the best value "
+            f"{', '.join(f'{v:.4g}' for v in best)} ({shown}); the one shown is the first of "
+            "them, not a better point: the objective does not separate these trials")
 
 
 def objective_values(summary: Mapping[str, Any], metrics: Sequence[str]) -> list[float]:
@@ -78,19 +172,76 @@ def objective_values(summary: Mapping[str, Any], metrics: Sequence[str]) -> list
     return out
 
 
-def unlogged_metric(metrics: Sequence[str], eval_cfg: Mapping[str, Any]) -> str | None:
-    """Why a trial of the experiment whose ``eval`` config is ``eval_cfg`` would not log one of
-    the evaluation ``metrics`` (``eval/<benchmark>/...``): it does not evaluate
-    (``eval.every_n_steps`` 0), the benchmark is not one of ``eval.benchmarks``, or
-    ``avg_at_<k>`` has another k than ``eval.k``; None when each could be logged. Training
-    metrics (``train/...``) depend on the filter and objective and are checked per trial."""
+#: What a training step logs whatever its filter and objective (``train/<name>``): the step's
+#: own metrics (saopd.lightning.metrics.STEP_METRICS), the learning rate, the wait for a
+#: teacher service and the rollouts' staleness (asynchronous rollouts).
+STEP_EXTRAS = ("lr", "teacher_wait", "rollout_staleness")
+
+
+def train_metric_names(filter_cfg: Mapping[str, Any],
+                       objective_cfg: Mapping[str, Any]) -> set[str] | None:
+    """The ``train/<name>`` names a trial with this filter and objective could log, or None
+    when that cannot be told before training.
+
+    The step's own metrics, and what the filter's statistics and the objective's metrics hold
+    on a small synthetic batch (2 x 8 tokens) carrying every optional signal a step may compute
+    (residual log-probs, entropies, exact KL, sampler and reference log-probs): a superset of
+    what a step logs. None when the filter or objective cannot run on it (one that needs top-k
+    lists, or a tokenizer to name its tokens)."""
+    import torch
+
+    from saopd.filters.base import build_filter
+    from saopd.lightning.metrics import STEP_METRICS
+    from saopd.objectives.base import build_objective
+    from saopd.signals.token_signals import TokenSignals
+
+    gen = torch.Generator().manual_seed(0)
+
+    def logprobs() -> torch.Tensor:
+        return -torch.rand(2, 8, generator=gen) * 3.0 - 0.01
+
+    try:
+        signals = TokenSignals(
+            lp_student=logprobs(), lp_teacher=logprobs(),
+            valid=torch.ones(2, 8, dtype=torch.bool), lp_student_res=logprobs(),
+            lp_teacher_res=logprobs(), entropy_student=torch.rand(2, 8, generator=gen),
+            entropy_teacher=torch.rand(2, 8, generator=gen), kl=torch.rand(2, 8, generator=gen),
+            lp_sampler=logprobs(), lp_ref=logprobs(),
+            response_ids=torch.randint(5, 50, (2, 8), generator=gen))
+        result = build_filter(**dict(filter_cfg))(signals, generator=gen)
+        out = build_objective(**dict(objective_cfg))(signals, result)
+    except Exception:  # needs what a synthetic batch lacks: the trials will tell
+        return None
+    return {*STEP_METRICS, *STEP_EXTRAS, *result.stats,
+            *(k for k in out.metrics if k != "kl_sampled")}  # kl_sampled is logged as kl
+
+
+def unlogged_metric(metrics: Sequence[str], eval_cfg: Mapping[str, Any],
+                    train_names: set[str] | None = None) -> str | None:
+    """Why a trial would not log one of the objective ``metrics``; None when each could be
+    logged.
+
+    A trial's summary holds two namespaces: ``train/<name>`` (every step) and
+    ``eval/<benchmark>/<metric>`` (the held-out evaluation); any other name is refused. An
+    evaluation metric is refused when the trial does not evaluate (``eval.every_n_steps`` 0),
+    its benchmark is not one of ``eval.benchmarks``, or ``avg_at_<k>`` has another k than
+    ``eval.k`` (``eval_cfg``: the experiment's ``eval`` config). A training metric is refused
+    when it is not one of ``train_names`` (:func:`train_metric_names`; None: not checked)."""
     every = eval_cfg.get("every_n_steps") or 0
     benchmarks = list(eval_cfg.get("benchmarks") or [])
     k = eval_cfg.get("k")
     for name in metrics:
         parts = name.split("/")
-        if parts[0] != "eval" or len(parts) < 3:
+        if parts[0] == "train" and len(parts) == 2:
+            if train_names is not None and parts[1] not in train_names:
+                return (f"objective metric {name!r}: no trial logs it (the trials log "
+                        f"{', '.join('train/' + n for n in sorted(train_names))}, and "
+                        "eval/<benchmark>/<metric>)")
             continue
+        if parts[0] != "eval" or len(parts) < 3:
+            return (f"objective metric {name!r}: a trial reports train/<name> and "
+                    "eval/<benchmark>/<metric> metrics only (e.g. train/loss, "
+                    "eval/<benchmark>/avg_at_<k>)")
         if not every:
             return (f"objective metric {name!r} comes from the held-out evaluation, but "
                     "eval.every_n_steps=0: no trial would evaluate (set eval.every_n_steps, "
@@ -101,6 +252,22 @@ def unlogged_metric(metrics: Sequence[str], eval_cfg: Mapping[str, Any]) -> str 
         if parts[2].startswith("avg_at_") and k is not None and parts[2] != f"avg_at_{k}":
             return (f"objective metric {name!r}: the trials evaluate avg_at_{k} (eval.k={k})")
     return None
+
+
+def continue_command(config: Any) -> str:
+    """The command that continues this search in its folder: ``saopd-train -m``, the command
+    line's overrides (Hydra's and the task's) and ``hydra.sweep.dir=<this search's folder>``,
+    shell-quoted, with the ``saopd-train`` beside this Python (so that it works in a fresh
+    shell)."""
+    import shlex
+
+    hydra_cfg = config.hydra
+    hydra_overrides = [o for o in hydra_cfg.overrides.hydra
+                       if not str(o).startswith("hydra.sweep.dir=")]
+    words = [console_command("saopd-train"), "-m", *map(str, hydra_cfg.overrides.task),
+             *map(str, hydra_overrides),
+             f"hydra.sweep.dir={Path(str(hydra_cfg.sweep.dir)).absolute()}"]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def _directions(sweeper: Any) -> list[str]:
@@ -171,8 +338,9 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         """Refuse (exit 2) a search whose directions and metrics do not pair up, of fewer than
-        one trial, or whose trials would not log an evaluation metric
-        (:func:`unlogged_metric`)."""
+        one trial, or whose trials would not log one of its metrics (:func:`unlogged_metric`,
+        training metrics checked against :func:`train_metric_names` of the experiment's
+        filter and objective); print the command that continues the search."""
         sweeper = config.hydra.sweeper
         problem = None
         if "optuna" not in str(sweeper.get("_target_", "")).lower():
@@ -189,10 +357,23 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
                 problem = (f"hydra.sweeper.n_trials={n_trials}: a search needs at least one "
                            "trial (hydra.sweeper.n_trials=20)")
             else:
-                problem = unlogged_metric(self.metrics, config.get("eval") or {})
+                filter_cfg = OmegaConf.to_container(config.filter, resolve=True) \
+                    if "filter" in config else None
+                objective_cfg = OmegaConf.to_container(config.objective, resolve=True) \
+                    if "objective" in config else None
+                # a search over the filter or objective themselves: the trials tell
+                varied = {str(k).split(".")[0] for k in (sweeper.get("params") or {})
+                          if str(k) in ("filter", "objective", "method")}
+                names = train_metric_names(filter_cfg, objective_cfg) if not varied and \
+                    isinstance(filter_cfg, dict) and isinstance(objective_cfg, dict) else None
+                problem = unlogged_metric(self.metrics, config.get("eval") or {}, names)
         if problem is not None:
             print(f"saopd-train: error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # Hydra turns a callback's exceptions into warnings
+        if sweeper.get("storage"):
+            print(f"hparams search: study {sweeper.get('study_name')!r} in "
+                  f"{sweeper.get('storage')}; if it stops, continue it with: "
+                  f"{continue_command(config)}", flush=True)
 
     def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
         """Replace a finished job's summary by its objective values (the sweeper reads them);
@@ -257,6 +438,15 @@ class SearchObjectives(_HydraCallback):  # type: ignore[misc]
             return
         kind = "best trial" if len(points) == 1 else f"{len(points)} Pareto-optimal trials"
         lines.append(f"  {goal}: {kind}")
+        done = {int(t["job"]): [float(t["values"][m]) for m in self.metrics]
+                for t in trials if t["status"] == "ok"}
+        seen: list[list[float]] = []
+        for p in points:  # one line per best value that several trials share
+            if list(p["values"]) not in seen:
+                seen.append(list(p["values"]))
+                tie = tie_line(done, p["values"])
+                if tie is not None:
+                    lines.append(tie)
         for p in points:
             params = " ".join(f"{k}={_short(v)}" for k, v in p["params"].items())
             values = ", ".join(f"{m}={v:.4g}" for m, v in zip(self.metrics, p["values"],

@@ -293,36 +293,14 @@ def analyse(refs: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
 
 
 def _figure(runs: Any, hist: Any, labels: list[str]) -> None:
-    """Accuracy and tic rate over steps: mean and 95% band over seeds, one line per arm."""
-    import matplotlib
+    """Accuracy and tic rate over steps: mean and 95% band over seeds, one line per arm
+    (saopd-report's figure, :func:`saopd.analysis.plots.over_steps_figure`)."""
+    from saopd.analysis.plots import over_steps_figure, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-    cmap = plt.get_cmap("tab20")
-    for ax, key, title in ((axes[0], ACCURACY, "held-out accuracy (Avg@4)"),
-                           (axes[1], TIC_RATE, "tic rate")):
-        for i, lab in enumerate(labels):
-            ids = set(runs[runs.label == lab]["run_id"])
-            h = hist[(hist.key == key) & hist.run_id.isin(ids)]
-            steps = sorted(h.step.unique())
-            stats = [mean_ci95(list(h[h.step == s].value)) for s in steps]
-            x = [s + 1 for s in steps]
-            m = [a for a, _ in stats]
-            w = [0.0 if math.isnan(b) else b for _, b in stats]
-            style = "--" if lab.startswith("Oracle") else "-"
-            ax.plot(x, m, style, marker="o", ms=3, color=cmap(i % 20), label=lab)
-            ax.fill_between(x, [a - b for a, b in zip(m, w, strict=True)],
-                            [a + b for a, b in zip(m, w, strict=True)], color=cmap(i % 20),
-                            alpha=0.12)
-        ax.set_title(title)
-        ax.set_xlabel("steps trained")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(OUT / "over_steps.png", dpi=110)
-    plt.close(fig)
+    groups = dict(zip(runs["run_id"], runs["label"], strict=True))
+    fig = over_steps_figure(hist, groups, [(ACCURACY, "held-out accuracy (Avg@4)"),
+                                           (TIC_RATE, "tic rate")], order=labels)
+    save_figure(fig, OUT / "over_steps.png", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

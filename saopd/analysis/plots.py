@@ -1,5 +1,6 @@
 """Figures of the paper's analyses: training dynamics (Figure 4), entropy of filtered tokens
-(Figure 3b).
+(Figure 3b), and a metric over steps per method, mean and 95% band over seeds (the held-out
+accuracy over training: :func:`over_steps_figure`).
 
 Every function returns a ``matplotlib.figure.Figure`` built without pyplot (no global state,
 no GUI backend needed: headless CI renders with Agg); :func:`save_figure` writes it as PNG, and a
@@ -28,6 +29,7 @@ __all__ = [
     "entropy_over_steps_figure",
     "figure_png",
     "loss_change",
+    "over_steps_figure",
     "save_figure",
     "training_dynamics_figure",
 ]
@@ -210,4 +212,59 @@ def entropy_over_steps_figure(histories: pd.DataFrame, labels: Mapping[str, str]
            title=title or "Student entropy: filtered vs kept")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
+    return fig
+
+
+def over_steps_figure(histories: pd.DataFrame, groups: Mapping[str, str],
+                      panels: Sequence[tuple[str, str]], *, order: Sequence[str] | None = None,
+                      eval_steps: bool = True, title: str | None = None) -> Figure:
+    """One panel per ``(metric, title)`` of ``panels``: per method (``groups``: run id ->
+    label, its seeds the runs of one label) the mean over its runs at each step and the 95%
+    confidence band of that mean (Student's t, :func:`saopd.analysis.tables.mean_ci95`; no band
+    where one run has the step). The legend names each method with its seed count.
+
+    Args:
+        histories: long metric histories (:func:`saopd.analysis.runs.metric_histories`).
+        groups: the method of each run to draw; other runs are left out.
+        panels: metrics and panel titles, e.g. ``[("eval/arith/avg_at_4", "held-out
+            accuracy (Avg@4)")]``.
+        order: methods in legend order (default: first seen in ``groups``).
+        eval_steps: the metrics are evaluations, logged at the index of the step just taken
+            (-1: before training): drawn at ``index + 1`` = steps trained.
+        title: figure title.
+
+    Raises ``ValueError`` naming a metric no run logged.
+    """
+    from saopd.analysis.tables import mean_ci95
+
+    _require(histories, [m for m, _ in panels], "over steps")
+    labels = list(order or dict.fromkeys(groups.values()))
+    fig = Figure(figsize=(5.2 * len(panels) + 2.2, 3.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    for ax, (metric, panel_title) in zip(axes, panels, strict=True):
+        h = histories[histories["key"] == metric]
+        for i, label in enumerate(labels):
+            runs = [r for r, lab in groups.items() if lab == label]
+            pts = h[h["run_id"].isin(runs)]
+            if pts.empty:
+                continue
+            steps = sorted(pts["step"].unique())
+            stats = [mean_ci95(list(pts.loc[pts["step"] == s, "value"])) for s in steps]
+            x = np.asarray(steps, dtype=float) + (1.0 if eval_steps else 0.0)
+            mean = np.asarray([m for m, _ in stats])
+            half = np.nan_to_num(np.asarray([w for _, w in stats]), nan=0.0)
+            seeds = pts["run_id"].nunique()
+            ax.plot(x, mean, color=f"C{i % 10}", lw=1.5, marker="o" if len(x) < 20 else None,
+                    ms=3, label=f"{label} (n={seeds})")
+            ax.fill_between(x, mean - half, mean + half, color=f"C{i % 10}", alpha=0.15,
+                            lw=0)
+        ax.set(xlabel="steps trained" if eval_steps else "step", ylabel=metric,
+               title=panel_title)
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, names, loc="outside right upper", fontsize="small",
+                   title="mean, 95% band over seeds", title_fontsize="small")
+    if title:
+        fig.suptitle(title)
     return fig

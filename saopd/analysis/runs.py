@@ -53,6 +53,7 @@ __all__ = [
     "mlflow_client",
     "resolve_tracking_uri",
     "run_seeds",
+    "short_values",
     "unfinished_runs",
 ]
 
@@ -318,6 +319,29 @@ def _short(column: str) -> str:
     return rest if group in ("filter", "objective") and rest else key
 
 
+def short_values(values: Iterable[Any]) -> dict[str, str]:
+    """Each distinct value's text for a label or a legend: a decimal number with the fewest
+    significant digits (3 at least) that keep the distinct values apart (an Optuna trial's
+    ``0.27491389374623653`` is ``0.275``); other values as they are."""
+    texts = sorted({str(v) for v in values})
+
+    def number(text: str) -> float | None:
+        if not any(c in text for c in ".eE"):
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    numbers = {t: number(t) for t in texts}
+    floats = [t for t in texts if numbers[t] is not None]
+    for digits in range(3, 18):
+        shown = {t: f"{numbers[t]:.{digits}g}" for t in floats}
+        if len(set(shown.values())) == len({numbers[t] for t in floats}):
+            break
+    return {t: shown.get(t, t) if floats else t for t in texts}
+
+
 def is_hyperparameter(column: str) -> bool:
     """Whether the ``params.<key>`` column is a setting that changes what a run trains."""
     key = column[len("params."):]
@@ -346,8 +370,9 @@ def method_labels(runs: pd.DataFrame, *, label_tag: str | None = "method") -> pd
         varying = [c for c in hyper if group[c].astype(str).nunique(dropna=False) > 1]
         if not varying:
             continue
+        shown = {c: short_values(group[c]) for c in varying}
         for i in idx:
-            parts = [f"{_short(c)}={runs.at[i, c]}" for c in varying]
+            parts = [f"{_short(c)}={shown[c][str(runs.at[i, c])]}" for c in varying]
             labels.at[i] = f"{name} ({', '.join(parts)})"
     if label_tag:
         own = _get(runs, f"tags.{label_tag}")
@@ -388,10 +413,12 @@ def benchmark_columns(runs: pd.DataFrame,
         if m and runs[col].notna().any():
             found.append(BenchmarkColumn(m["bench"], int(m["k"])))
     if not found:
+        names = [f"{n} ({r})" for n, r in zip(runs["run_name"], runs["run_id"], strict=True)] \
+            if "run_name" in runs.columns else list(runs["run_id"])
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise NoRunsError(
-            f"the {len(runs)} selected run(s) have no eval/<benchmark>/avg_at_<k> metric "
-            f"(runs: {', '.join(runs['run_id'].head(5))}{' ...' if len(runs) > 5 else ''}); "
-            "evaluate them first: saopd-eval run_id=<run> benchmarks=[...]")
+            f"no eval/<benchmark>/avg_at_<k> metric in any of the {len(runs)} selected "
+            f"run(s): {shown}; evaluate them first: saopd-eval run_id=<run> benchmarks=[...]")
     known = list(BENCHMARK_LABELS)
     found.sort(key=lambda c: (known.index(c.benchmark) if c.benchmark in known else len(known),
                               c.benchmark, c.k))

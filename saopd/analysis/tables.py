@@ -14,15 +14,18 @@ seeds; a run that lacks one of the benchmarks has no ``Avg.``, and its method's 
 empty (a note names the run and the missing benchmarks). ``Δ`` values are differences of means.
 
 Marks. Among method rows (references and Δ rows excluded), per column (benchmarks and
-``Avg.``): the best value is **bold**, the second best underlined; values are compared as
-displayed (rounded to ``decimals``), so ties share a mark, as in the paper.
+``Avg.``), ``marking="interval"`` (what ``saopd-report`` uses) bolds a method only where its 95%
+interval over seeds lies above every other method's: overlapping intervals (or a single seed)
+mark nothing, so a tie is never called a win. ``marking="rank"`` bolds the best displayed value
+and underlines the second (ties share a mark, as in the paper). The t quantile is
+``scipy.stats.t.ppf``; ``decimals=None`` rounds to the intervals (:func:`auto_decimals`: two
+significant digits of the smallest half-width).
 
 Scores are the fractions that ``saopd-eval`` logs, multiplied by ``scale`` (100: percent).
 """
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,19 +33,17 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from saopd.analysis.grid import Cell, Grid, grid_html, grid_latex, grid_markdown
 from saopd.analysis.runs import BASELINE_LABEL, METHOD_ORDER
 
 __all__ = [
     "AVG",
     "GAIN",
-    "Cell",
-    "Grid",
     "ResultsTable",
+    "auto_decimals",
     "fieller_ratio_ci95",
-    "grid_html",
-    "grid_latex",
-    "grid_markdown",
     "mean_ci95",
+    "missing_notes",
     "paired_recovery",
     "results_table",
     "t_quantile_975",
@@ -50,20 +51,28 @@ __all__ = [
 
 AVG = "Avg."
 GAIN = "Δ OPD"
-Mark = Literal["", "best", "second"]
 Spread = Literal["std", "ci95"]
 
-# t(0.975, df) for df = 1..30, then the normal quantile (the largest error, at df = 31, is 2%).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+Marking = Literal["rank", "interval"]
 
 
 def t_quantile_975(df: int) -> float:
-    """Student's t quantile t(0.975, df) (two-sided 95%), from a table; 1.96 beyond df = 30."""
+    """Student's t quantile t(0.975, df) (two-sided 95%), ``scipy.stats.t.ppf``."""
     if df < 1:
         raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    return _T975[df - 1] if df <= len(_T975) else 1.96
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
+
+
+def auto_decimals(half_widths: Any, *, fallback: int = 1) -> int:
+    """Digits after the point that show a 95% half-width with two significant digits (the
+    smallest positive one of ``half_widths``; 0 to 4 digits): 2.9 -> 1, 0.25 -> 2, 14 -> 0.
+    ``fallback`` when there is none (single seeds)."""
+    vals = [float(v) for v in pd.Series(half_widths, dtype=float).dropna() if float(v) > 0]
+    if not vals:
+        return fallback
+    return max(0, min(4, 1 - math.floor(math.log10(min(vals)))))
 
 
 def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
@@ -155,172 +164,6 @@ def paired_recovery(scores: Mapping[str, Mapping[str, float]], *, base: str, con
     return out
 
 
-# ---- a small grid renderer shared by the results and token-statistics tables ---------------------
-
-@dataclass
-class Cell:
-    """One table cell: its text and its mark (``best`` = bold, ``second`` = underlined)."""
-
-    text: str
-    mark: Mark = ""
-
-
-@dataclass
-class Grid:
-    """A rendered table, independent of the output format.
-
-    Attributes:
-        header: column headers, the first one over the row labels.
-        rows: cells of each row; the first cell is the row label.
-        rules: row indices before which a horizontal rule is drawn (LaTeX ``\\midrule``,
-            HTML ``class="rule"``); Markdown has none.
-        row_classes: a CSS class per row for HTML (``reference``, ``method``, ``highlight``,
-            ``delta``, ``section``).
-        caption: shown above (HTML, Markdown) or below (LaTeX) the table.
-        notes: lines printed under the table.
-    """
-
-    header: list[str]
-    rows: list[list[Cell]]
-    rules: set[int] = field(default_factory=set)
-    row_classes: list[str] = field(default_factory=list)
-    caption: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|")
-
-
-def grid_markdown(grid: Grid) -> str:
-    """GitHub Markdown: bold as ``**x**``, underline as ``<u>x</u>`` (Markdown has none)."""
-    def cell(c: Cell) -> str:
-        t = _md_escape(c.text)
-        if c.mark == "best":
-            return f"**{t}**"
-        if c.mark == "second":
-            return f"<u>{t}</u>"
-        return t
-
-    lines = []
-    if grid.caption:
-        lines += [grid.caption, ""]
-    lines.append("| " + " | ".join(_md_escape(h) for h in grid.header) + " |")
-    lines.append("|" + "|".join([":---"] + ["---:"] * (len(grid.header) - 1)) + "|")
-    for i, row in enumerate(grid.rows):
-        cells = [cell(c) for c in row]
-        if grid.row_classes and grid.row_classes[i] == "section":
-            cells = [f"*{cells[0]}*"] + [""] * (len(grid.header) - 1)
-        lines.append("| " + " | ".join(cells) + " |")
-    if grid.notes:
-        lines.append("")
-        lines += [f"{n}  " for n in grid.notes]
-    return "\n".join(lines) + "\n"
-
-
-_LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-                  "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}",
-                  "^": r"\textasciicircum{}", "±": r"$\pm$", "Δ": r"$\Delta$", "–": "--"}
-
-
-def latex_escape(text: str) -> str:
-    """Escape LaTeX's special characters (``±`` and ``Δ`` become math)."""
-    return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in text)
-
-
-def grid_latex(grid: Grid, *, label: str | None = None) -> str:
-    """A booktabs ``table`` (``\\usepackage{booktabs}``): ``\\textbf`` / ``\\underline``."""
-    def cell(c: Cell) -> str:
-        t = latex_escape(c.text)
-        if c.mark == "best":
-            return rf"\textbf{{{t}}}"
-        if c.mark == "second":
-            return rf"\underline{{{t}}}"
-        return t
-
-    cols = "l" + "c" * (len(grid.header) - 1)
-    lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
-             " & ".join(rf"\textbf{{{latex_escape(h)}}}" for h in grid.header) + r" \\",
-             r"\midrule"]
-    for i, row in enumerate(grid.rows):
-        if i in grid.rules and i > 0:
-            lines.append(r"\midrule")
-        if grid.row_classes and grid.row_classes[i] == "section":
-            lines.append(rf"\multicolumn{{{len(grid.header)}}}{{l}}"
-                         rf"{{\textit{{{latex_escape(row[0].text)}}}}} \\")
-            continue
-        lines.append(" & ".join(cell(c) for c in row) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
-    if grid.caption:
-        lines.append(rf"\caption{{{latex_escape(grid.caption)}}}")
-    if label:
-        lines.append(rf"\label{{{label}}}")
-    lines.append(r"\end{table}")
-    for note in grid.notes:
-        lines.append(f"% {note}")
-    return "\n".join(lines) + "\n"
-
-
-_HTML_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:1.5em;color:#222}
-table.results{border-collapse:collapse;margin:.6em 0;font-variant-numeric:tabular-nums}
-table.results caption{caption-side:top;text-align:left;font-weight:600;padding-bottom:.4em}
-table.results th,table.results td{padding:.25em .7em;text-align:center;white-space:nowrap}
-table.results th:first-child,table.results td:first-child{text-align:left}
-table.results thead th{border-top:2px solid #222;border-bottom:1px solid #222}
-table.results tbody tr:last-child td{border-bottom:2px solid #222}
-table.results tr.rule td{border-top:1px solid #222}
-table.results tr.highlight td{background:#dcebff}
-table.results tr.reference td{color:#555}
-table.results tr.delta td{font-size:.9em;color:#333}
-table.results tr.section td{font-style:italic;background:#f2f2f2}
-table.results u{text-decoration-thickness:1px;text-underline-offset:2px}
-p.note{color:#555;font-size:.85em;margin:.2em 0}
-"""
-
-
-def grid_html(grid: Grid, *, title: str | None = None, standalone: bool = True) -> str:
-    """An HTML ``<table class="results">`` (``<b>`` / ``<u>`` marks), inline CSS, no scripts;
-    ``standalone`` wraps it in a complete page. Every text is escaped."""
-    def cell(c: Cell, tag: str) -> str:
-        t = html.escape(c.text)
-        if c.mark == "best":
-            t = f"<b>{t}</b>"
-        elif c.mark == "second":
-            t = f"<u>{t}</u>"
-        return f"<{tag}>{t}</{tag}>"
-
-    parts = ['<table class="results">']
-    if grid.caption:
-        parts.append(f"<caption>{html.escape(grid.caption)}</caption>")
-    parts.append("<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in grid.header)
-                 + "</tr></thead>")
-    parts.append("<tbody>")
-    for i, row in enumerate(grid.rows):
-        classes = []
-        if grid.row_classes:
-            classes.append(grid.row_classes[i])
-        if i in grid.rules and i > 0:
-            classes.append("rule")
-        attr = f' class="{" ".join(classes)}"' if classes else ""
-        if grid.row_classes and grid.row_classes[i] == "section":
-            parts.append(f'<tr{attr}><td colspan="{len(grid.header)}">'
-                         f"{html.escape(row[0].text)}</td></tr>")
-            continue
-        parts.append(f"<tr{attr}>" + cell(row[0], "td")
-                     + "".join(cell(c, "td") for c in row[1:]) + "</tr>")
-    parts.append("</tbody></table>")
-    parts += [f'<p class="note">{html.escape(n)}</p>' for n in grid.notes]
-    table = "\n".join(parts)
-    if not standalone:
-        return table + "\n"
-    head_title = html.escape(title or grid.caption or "saopd report")
-    heading = f"<h1>{html.escape(title)}</h1>\n" if title else ""
-    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
-            f"<title>{head_title}</title>\n<style>{_HTML_CSS}</style>\n</head>\n<body>\n"
-            f"{heading}{table}\n</body>\n</html>\n")
-
-
 # ---- the results table ---------------------------------------------------------------------------
 
 @dataclass
@@ -331,6 +174,8 @@ class ResultsTable:
         mean: index = row labels (references, then methods in table order), columns = the
             benchmark columns (their header labels) then :data:`AVG`; scaled scores.
         spread: same shape; std or 95% CI half-width over seeds (NaN with fewer than 2 runs).
+        ci: same shape; the 95% CI half-width over seeds whatever ``spread`` shows (the
+            interval marks compare).
         n: runs (seeds) behind each row: those with a value in every column (behind ``Avg.``).
         gain: ``Avg.`` minus the baseline's ``Avg.`` (NaN for the baseline, or without one).
         delta: per-column difference highlight - baseline (the ``Δ over OPD`` row), or None.
@@ -355,6 +200,8 @@ class ResultsTable:
     decimals: int = 1
     notes: list[str] = field(default_factory=list)
     caption: str | None = None
+    ci: pd.DataFrame | None = None
+    marking: Marking = "rank"
 
     @property
     def columns(self) -> list[str]:
@@ -362,8 +209,27 @@ class ResultsTable:
         return list(self.mean.columns)
 
     def marks(self) -> pd.DataFrame:
-        """``best`` / ``second`` / ``""`` per method row and column (references excluded)."""
+        """``best`` / ``second`` / ``""`` per method row and column (references excluded).
+
+        ``marking="rank"``: the best and second-best displayed values (ties share a mark).
+        ``marking="interval"``: ``best`` only for the method whose 95% interval lies above
+        every other method's (its lower end above their upper ends); none where intervals
+        overlap, or a method has no interval (one seed); no ``second``."""
         out = pd.DataFrame("", index=self.methods, columns=self.columns, dtype=object)
+        if self.marking == "interval":
+            ci = self.ci if self.ci is not None else self.spread
+            for col in self.columns:
+                mean = self.mean.loc[self.methods, col].dropna()
+                if len(mean) < 2:
+                    continue
+                half = ci.loc[mean.index, col]
+                top = mean.idxmax()
+                others = mean.index != top
+                if half.isna().any():
+                    continue
+                if (mean[top] - half[top]) > (mean[others] + half[others]).max():
+                    out.at[top, col] = "best"
+            return out
         for col in self.columns:
             shown = self.mean.loc[self.methods, col].round(self.decimals).dropna()
             levels = sorted(set(shown), reverse=True)
@@ -433,7 +299,12 @@ class ResultsTable:
             what = ("sample standard deviation over seeds" if self.spread_kind == "std"
                     else "95% confidence interval of the mean over seeds (Student's t)")
             notes.insert(0, f"mean ± {what}; Seeds = runs per row.")
-        notes.insert(0, "Best and second-best results among OPD methods in bold and underlined.")
+        if self.marking == "interval":
+            notes.insert(0, "Bold: the method whose 95% interval over seeds lies above every "
+                         "other method's (none where the intervals overlap).")
+        else:
+            notes.insert(0, "Best and second-best results among OPD methods in bold and "
+                         "underlined.")
         return Grid(header=header, rows=rows, rules=rules, row_classes=classes,
                     caption=self.caption, notes=notes)
 
@@ -448,6 +319,24 @@ class ResultsTable:
     def to_html(self, *, title: str | None = None, standalone: bool = True) -> str:
         """A self-contained HTML page (or just the ``<table>``)."""
         return grid_html(self.grid(), title=title, standalone=standalone)
+
+
+def missing_notes(values: pd.DataFrame, labels: pd.Series) -> list[str]:
+    """One note per set of missing columns: how many of the runs lack it, which runs (label and
+    id, the first 8) and what follows (no ``Avg.`` for their methods, not counted in Seeds)."""
+    by_lack: dict[tuple[str, ...], list[str]] = {}
+    for run_id in values.index[values.isna().any(axis=1)]:
+        lacks = tuple(c for c in values.columns if pd.isna(values.at[run_id, c]))
+        by_lack.setdefault(lacks, []).append(run_id)
+    notes = []
+    for lacks, ids in by_lack.items():
+        who = [f"{labels[r].removeprefix(chr(0) + 'ref:')} ({r})" for r in ids]
+        shown = ", ".join(who[:8]) + (f" and {len(who) - 8} more" if len(who) > 8 else "")
+        methods = sorted({labels[r].removeprefix(chr(0) + "ref:") for r in ids})
+        notes.append(f"{len(ids)} of {len(values)} runs lack {', '.join(lacks)} (not logged, "
+                     f"or NaN): {shown}; no {AVG} for {', '.join(methods)}, and these runs are "
+                     "not counted in Seeds.")
+    return notes
 
 
 def _order(labels: Sequence[str], baseline: str | None, highlight: str | None) -> list[str]:
@@ -466,8 +355,8 @@ def _order(labels: Sequence[str], baseline: str | None, highlight: str | None) -
 def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
                   labels: pd.Series, references: Mapping[str, Sequence[str]] | None = None,
                   baseline: str | None = BASELINE_LABEL, highlight: str | None = "SA-OPD",
-                  spread: Spread = "std", scale: float = 100.0, decimals: int = 1,
-                  caption: str | None = None) -> ResultsTable:
+                  spread: Spread = "std", scale: float = 100.0, decimals: int | None = 1,
+                  caption: str | None = None, marking: Marking = "rank") -> ResultsTable:
     """Aggregate per-run scores into a :class:`ResultsTable`.
 
     Args:
@@ -482,8 +371,11 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
         highlight: the method shown last, shaded, with a ``Δ over OPD`` row (if present).
         spread: ``"std"`` or ``"ci95"`` (see the module docstring).
         scale: multiplies the scores (100: percent).
-        decimals: digits after the point, for display and for tie-aware marks.
+        decimals: digits after the point, for display and for tie-aware marks; None: from
+            the intervals (:func:`auto_decimals`).
         caption: table caption.
+        marking: ``"rank"`` (best and second-best values) or ``"interval"`` (bold only where a
+            method's 95% interval separates from every other's; :meth:`ResultsTable.marks`).
 
     Raises ``ValueError`` on an empty score frame, an unknown metric column, or labels that do
     not cover the runs.
@@ -495,6 +387,8 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
         raise ValueError(f"score frame lacks metric column(s) {missing_cols}")
     if spread not in ("std", "ci95"):
         raise ValueError(f"spread must be 'std' or 'ci95', got {spread!r}")
+    if marking not in ("rank", "interval"):
+        raise ValueError(f"marking must be 'rank' or 'interval', got {marking!r}")
     unlabelled = set(scores.index) - set(labels.index)
     if unlabelled:
         raise ValueError(f"no method label for run(s) {sorted(unlabelled)}")
@@ -510,12 +404,7 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
     values.columns = list(columns.values())
     per_run_avg = values.mean(axis=1, skipna=False)
     notes: list[str] = []
-    incomplete = values.isna().any(axis=1)
-    for run_id in values.index[incomplete]:
-        lacks = [c for c in values.columns if pd.isna(values.at[run_id, c])]
-        who = labels[run_id].removeprefix("\0ref:")
-        notes.append(f"run {run_id} ({who}) lacks {', '.join(lacks)} (not logged, or NaN): no "
-                     f"{AVG} for {who}, and the run is not counted in Seeds.")
+    notes.extend(missing_notes(values, labels))
     values[AVG] = per_run_avg
 
     method_labels = [lab for lab in labels if not lab.startswith("\0ref:")]
@@ -537,14 +426,14 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
     counts = values.notna().groupby(labels, sort=False).sum().reindex(order).fillna(0)
     n = counts[AVG].astype(int)
     std = grouped.std(ddof=1).reindex(order)
-    if spread == "ci95":
-        factor = counts.map(lambda k: t_quantile_975(int(k) - 1) / math.sqrt(k) if k > 1
-                            else float("nan"))
-        sp = std * factor
-    else:
-        sp = std
-    sp = sp.where(counts > 1)
+    factor = counts.map(lambda k: t_quantile_975(int(k) - 1) / math.sqrt(k) if k > 1
+                        else float("nan"))
+    ci = (std * factor).where(counts > 1)
+    ci.loc[mean[AVG].isna(), AVG] = float("nan")
+    sp = ci if spread == "ci95" else std.where(counts > 1)
     sp.loc[mean[AVG].isna(), AVG] = float("nan")
+    if decimals is None:
+        decimals = auto_decimals(ci.to_numpy().ravel())
 
     gain = pd.Series(float("nan"), index=order)
     delta = None
@@ -559,10 +448,10 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
     clash = set(refs) & set(method_labels)
     if clash:
         raise ValueError(f"reference row name(s) {sorted(clash)} are also method labels")
-    mean, sp = mean.rename(index=rename), sp.rename(index=rename)
+    mean, sp, ci = mean.rename(index=rename), sp.rename(index=rename), ci.rename(index=rename)
     n, gain = n.rename(index=rename), gain.rename(index=rename)
     return ResultsTable(
         mean=mean, spread=sp, n=n, gain=gain, delta=delta, references=refs,
         methods=[rename[o] for o in order if not o.startswith("\0ref:")],
         baseline=baseline, highlight=highlight, spread_kind=spread, decimals=decimals,
-        notes=notes, caption=caption)
+        notes=notes, caption=caption, ci=ci, marking=marking)

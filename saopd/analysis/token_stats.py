@@ -55,7 +55,7 @@ from typing import Any
 
 import pandas as pd
 
-from saopd.analysis.tables import Cell, Grid, grid_html, grid_latex, grid_markdown
+from saopd.analysis.grid import Cell, Grid, grid_html, grid_latex, grid_markdown
 from saopd.analysis.token_view import TokenRow, token_rows_from_batch
 
 __all__ = [

@@ -89,3 +89,25 @@ def test_entropy_figures(tmp_path: Path) -> None:
         entropy_distribution_figure(tokens.assign(entropy_student=np.nan))
     with pytest.raises(ValueError, match="0 filtered"):
         entropy_distribution_figure(tokens.assign(filtered=False))
+
+
+def test_over_steps_draws_the_seed_mean_with_its_95_percent_band() -> None:
+
+    from saopd.analysis.plots import over_steps_figure
+    from saopd.analysis.tables import t_quantile_975
+
+    rows = [(run, "eval/a/avg_at_1", step, value)
+            for run, values in {"a": (0.1, 0.3), "b": (0.2, 0.5), "c": (0.6, 0.6)}.items()
+            for step, value in zip((-1, 9), values, strict=True)]
+    hist = pd.DataFrame(rows, columns=["run_id", "key", "step", "value"])
+    fig = over_steps_figure(hist, {"a": "OPD", "b": "OPD", "c": "SA-OPD"},
+                            [("eval/a/avg_at_1", "held-out")])
+    ax = fig.axes[0]
+    opd, sa = ax.get_lines()
+    assert list(opd.get_xdata()) == [0.0, 10.0]  # steps trained: index + 1
+    assert list(opd.get_ydata()) == pytest.approx([0.15, 0.4], rel=1e-12)
+    assert list(sa.get_ydata()) == pytest.approx([0.6, 0.6], rel=1e-12)
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    half = t_quantile_975(1) * 0.1  # sd of (0.3, 0.5) = 0.2 / sqrt 2, over sqrt 2 runs
+    assert band.max() == pytest.approx(0.4 + half, rel=1e-9)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["OPD (n=2)", "SA-OPD (n=1)"]

@@ -74,7 +74,9 @@ def test_ci95_is_t_times_standard_error() -> None:
     vals = _values("SA-OPD", 1)
     assert table.spread.at["SA-OPD", "Math500"] == pytest.approx(
         t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / math.sqrt(len(vals)))
-    assert t_quantile_975(2) == pytest.approx(4.303) and t_quantile_975(100) == 1.96
+    # scipy.stats.t.ppf: the printed tables round t(0.975, 2) to 4.303, t(0.975, 100) to 1.984
+    assert t_quantile_975(2) == pytest.approx(4.303, abs=5e-4)
+    assert t_quantile_975(100) == pytest.approx(1.984, abs=5e-4)
 
 
 def test_bold_and_underline_with_ties_among_methods_only() -> None:
@@ -144,7 +146,8 @@ def test_mean_ci95() -> None:
     vals = [0.5, 0.6, 0.7, float("nan")]
     mean, half = mean_ci95(vals)
     assert mean == pytest.approx(0.6, rel=1e-12)
-    assert half == pytest.approx(4.303 * statistics.stdev([0.5, 0.6, 0.7]) / math.sqrt(3),
+    assert half == pytest.approx(t_quantile_975(2) * statistics.stdev([0.5, 0.6, 0.7])
+                                 / math.sqrt(3),
                                  rel=1e-12)
     assert mean_ci95([0.4])[0] == 0.4 and math.isnan(mean_ci95([0.4])[1])
     assert all(math.isnan(x) for x in mean_ci95([]))
@@ -205,3 +208,44 @@ def test_fieller_interval_is_the_set_of_ratios_a_paired_t_test_keeps() -> None:
     assert lo3 == -math.inf and hi3 == math.inf
     assert all(math.isnan(x) for x in fieller_ratio_ci95([], [])) and \
         math.isnan(fieller_ratio_ci95([0.1], [0.2])[1])
+
+
+def _three_methods(sa: tuple[float, ...]) -> tuple[pd.DataFrame, pd.Series]:
+    vals = {"OPD": (0.60, 0.62, 0.64), "TIP": (0.61, 0.66, 0.63), "SA-OPD": sa}
+    rows = {f"{m[:2]}{i}": (m, v) for m, vs in vals.items() for i, v in enumerate(vs)}
+    scores = pd.DataFrame({M1: [v for _, v in rows.values()]}, index=list(rows))
+    return scores, pd.Series([m for m, _ in rows.values()], index=list(rows))
+
+
+def test_interval_marks_bold_only_a_method_whose_interval_separates() -> None:
+    from saopd.analysis.tables import auto_decimals
+
+    cols = {M1: "Math500"}
+    scores, labels = _three_methods((0.80, 0.81, 0.82))  # far above the others
+    table = results_table(scores, cols, labels=labels, spread="ci95", decimals=None,
+                          marking="interval")
+    ci = table.ci.at["SA-OPD", "Math500"]
+    assert ci == pytest.approx(t_quantile_975(2) * 1.0 / math.sqrt(3), rel=1e-9)
+    assert table.marks().at["SA-OPD", "Math500"] == "best"
+    assert set(table.marks()["Math500"]) == {"best", ""}  # no second mark
+    # a higher mean whose interval overlaps TIP's: no bold at all
+    scores, labels = _three_methods((0.64, 0.70, 0.76))
+    table = results_table(scores, cols, labels=labels, spread="ci95", marking="interval")
+    assert table.mean.at["SA-OPD", "Math500"] > table.mean.at["TIP", "Math500"]
+    assert set(table.marks()["Math500"]) == {""}
+    assert "**" not in table.to_markdown() and "interval over seeds lies above" in \
+        table.to_markdown()
+    # rounded to two significant digits of the smallest interval
+    assert auto_decimals([2.9, 6.3]) == 1 and auto_decimals([0.25]) == 2
+    assert auto_decimals([14.0]) == 0 and auto_decimals([float("nan")], fallback=3) == 3
+
+
+def test_runs_lacking_a_metric_are_one_note_that_counts_them() -> None:
+    ids = [f"r{i}" for i in range(16)]
+    scores = pd.DataFrame({M1: [0.5] + [float("nan")] * 15}, index=ids)
+    labels = pd.Series(["OPD"] * 16, index=ids)
+    table = results_table(scores, {M1: "Math500"}, labels=labels)
+    lacking = [n for n in table.notes if "lack" in n]
+    assert len(lacking) == 1
+    assert lacking[0].startswith("15 of 16 runs lack Math500 (not logged, or NaN): OPD (r1), ")
+    assert "OPD (r0)" not in lacking[0] and "and 7 more" in lacking[0]

@@ -205,6 +205,55 @@ def test_a_search_for_a_metric_no_trial_logs_is_refused_before_the_first_trial(
     assert not (tmp_path / "sweep" / "0").exists()  # no trial ran
 
 
+@pytest.mark.parametrize(("metric", "says"), [
+    ("train/no_such_metric", "objective metric 'train/no_such_metric': no trial logs it (the "
+                             "trials log train/abs_a_filtered"),
+    ("val/loss", "objective metric 'val/loss': a trial reports train/<name> and "
+                 "eval/<benchmark>/<metric> metrics only"),
+])
+def test_a_search_for_a_training_or_unknown_metric_no_trial_logs_is_refused_at_once(
+        tmp_path: Path, metric: str, says: str) -> None:
+    """Not only evaluation metrics: a train/ name the experiment's filter and objective do not
+    log, and a namespace no trial reports, are refused before the first trial (they used to
+    run every trial and fail each one for want of the metric)."""
+    proc = _search(tmp_path, "hydra.sweeper.n_trials=2",
+                   f"hydra.callbacks.search_objectives.metrics=[{metric}]")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"saopd-train: error: {says}" in proc.stderr
+    assert not (tmp_path / "sweep" / "0").exists()  # no trial ran
+
+
+def test_a_stopped_search_continues_from_its_storage(tmp_path: Path) -> None:
+    """A search of 2 trials, then a trial left RUNNING in its study (what a search killed
+    during a trial leaves), then the same command with n_trials=3 in the same folder: the
+    stored trials count, the stale one is marked failed, one trial runs, in a new folder."""
+    import optuna
+
+    first = _search(tmp_path, "hydra.sweeper.n_trials=2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    sweep = tmp_path / "sweep"
+    storage = f"sqlite:///{sweep / 'optuna.db'}"
+    assert f"if it stops, continue it with: {TRAIN} -m" in first.stdout
+    assert f"hydra.sweep.dir={sweep}" in first.stdout
+    study = optuna.load_study(study_name="sa_opd", storage=storage)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    study.ask()  # trial 2 left running
+
+    again = _search(tmp_path, "hydra.sweeper.n_trials=3")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert ("hparams search: resuming study 'sa_opd' of " f"{storage}: 2 trial(s) done, 1 "
+            "interrupted (marked failed), 1 of n_trials=3 to run") in again.stdout
+    states = [t.state.name for t in optuna.load_study(study_name="sa_opd",
+                                                      storage=storage).trials]
+    assert states == ["COMPLETE", "COMPLETE", "FAIL", "COMPLETE"]
+    assert (sweep / "3").is_dir() and not (sweep / "2").exists()  # job 3: trial 3's number
+    rows = [json.loads(x) for x in (sweep / "trials.jsonl").read_text().splitlines()]
+    assert [r["job"] for r in rows] == [0, 1, 3]
+    best = json.loads((sweep / "best.json").read_text())
+    assert best["trials"] == 3 and best["failed"] == 0
+    assert "hparams search: 3 trials (0 failed)" in again.stdout
+
+
 def test_an_unknown_launcher_option_is_one_line_naming_it(tmp_path: Path) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("SAOPD_ROOT", None)

@@ -120,3 +120,33 @@ def test_every_search_config_pairs_its_directions_with_metrics(capsys) -> None:
             callback.on_multirun_start(cfg)
         assert stop.value.code == 2
         assert "one metric each" in capsys.readouterr().err
+
+
+def test_a_best_value_shared_by_several_trials_is_reported_as_a_tie(
+        tmp_path: Path, capsys) -> None:
+    """Every trial scored 0 (a search on tiny with a held-out metric): the end of the search
+    says that 3 of 3 share the best value, in one line, instead of calling trial 0 best."""
+    from omegaconf import OmegaConf
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    rows = [{"job": j, "overrides": [f"filter.p1={p}"], "status": "ok",
+             "values": {"eval/arith/avg_at_1": 0.0}, "run_id": f"r{j}", "output_dir": str(j)}
+            for j, p in enumerate((0.1, 0.2, 0.3))]
+    (sweep / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": {"filter.p1": 0.1},
+                                     "best_value": 0.0}), sweep / "optimization_results.yaml")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)},
+                                         "sweeper": {"direction": ["maximize"]}}})
+    SearchObjectives(["eval/arith/avg_at_1"]).on_multirun_end(config)
+    out = capsys.readouterr().out
+    ties = [line for line in out.splitlines() if "tie:" in line]
+    assert ties == ["  tie: 3 of 3 completed trials (every completed trial) share the best "
+                    "value 0 (#0, #1, #2); the one shown is the first of them, not a better "
+                    "point: the objective does not separate these trials"]
+    rows[2]["values"]["eval/arith/avg_at_1"] = 0.5  # one trial separates: no tie line
+    (sweep / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": {"filter.p1": 0.3},
+                                     "best_value": 0.5}), sweep / "optimization_results.yaml")
+    SearchObjectives(["eval/arith/avg_at_1"]).on_multirun_end(config)
+    assert "tie:" not in capsys.readouterr().out

@@ -123,7 +123,8 @@ def test_cli_end_to_end(store: Store, tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "report"
     main(["--tracking-uri", store.uri, "-e", EXPERIMENT, "-t", "study=x",
           "--reference", f"Student={store.student_run}", "--out", str(out),
-          "--token-records"])
+          "--token-records", "--spread", "std", "--marks", "rank", "--decimals", "1",
+          "--log-to", "report"])
     printed = capsys.readouterr().out
     for name in ("results.md", "results.tex", "results.html", "training_dynamics.png",
                  "sources.csv", "report.json", "token_statistics_sa-opd.md",
@@ -171,7 +172,8 @@ def test_cli_keeps_the_later_of_two_runs_of_one_method_and_seed(
     captured = capsys.readouterr()
     md = (tmp_path / "d" / "results.md").read_text()
     # the later run of seed 0 (the only method row, so also the best)
-    assert _cells(md, "OPD")[1] == f"**{100 * DUP_SCORES[-1]:.1f}**"
+    # one seed, one method: no interval separates it (the default marks), so no bold
+    assert _cells(md, "OPD")[1] == f"{100 * DUP_SCORES[-1]:.1f}"
     assert f"run {store.dup_runs[0]}" in captured.err and "replaced" in captured.err
     assert "training dynamics figure skipped: no selected run logged train/flmr" in captured.err
 
@@ -234,7 +236,7 @@ def test_a_dead_run_never_stands_in_for_a_finished_one(store: Store, tmp_path: P
     main(["--tracking-uri", store.uri, "-t", "study=dead", "--out", str(tmp_path / "a"),
           "--log-to", "none"])
     md = (tmp_path / "a" / "results.md").read_text()
-    assert _cells(md, "OPD")[1] == f"**{100 * DEAD_SCORES[0]:.1f}**"
+    assert _cells(md, "OPD")[1] == f"{100 * DEAD_SCORES[0]:.1f}"  # one seed: never bold
     assert "OPD [RUNNING]" not in md
     assert "1 unfinished run(s) left out (1 RUNNING" in capsys.readouterr().err
     main(["--tracking-uri", store.uri, "-t", "study=dead", "--out", str(tmp_path / "b"),
@@ -264,3 +266,29 @@ def test_a_mistyped_store_is_refused_and_not_created(tmp_path: Path,
     assert stop.value.code == 2
     assert f"no MLflow store at {missing}" in capsys.readouterr().err
     assert not missing.exists()
+
+
+def test_cli_defaults_are_a_ci_table_an_accuracy_figure_and_no_mlflow_run(
+        store: Store, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from mlflow import MlflowClient
+
+    from saopd.analysis.tables import auto_decimals, mean_ci95
+
+    client = MlflowClient(store.uri)
+    reports = client.get_experiment_by_name("reports")
+    before = len(client.search_runs([reports.experiment_id])) if reports else 0
+    out = tmp_path / "defaults"
+    main(["--tracking-uri", store.uri, "-e", EXPERIMENT, "-t", "study=x", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "MLflow report run" not in printed
+    reports = client.get_experiment_by_name("reports")
+    assert (len(client.search_runs([reports.experiment_id])) if reports else 0) == before
+    assert (out / "accuracy_over_steps.png").stat().st_size > 0
+    md = (out / "results.md").read_text()
+    assert "95% confidence interval" in md and "interval over seeds lies above" in md
+    mean, half = mean_ci95([100 * s["math500"] for s in RUNS["SA-OPD"][2].values()])
+    cell = _cells(md, "SA-OPD")[1].strip("*")
+    shown = cell.split(" ± ")[0]
+    digits = len(shown.split(".")[1]) if "." in shown else 0
+    assert digits <= auto_decimals([half])  # rounded to the intervals, not to 17 digits
+    assert cell == f"{mean:.{digits}f} ± {half:.{digits}f}"
