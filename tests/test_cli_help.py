@@ -97,3 +97,26 @@ def test_groups_are_read_from_conf() -> None:
     groups = _groups()
     assert "testbed" in groups["experiment"] and "hf" in groups["rollout"]
     assert "hydra" not in groups
+
+
+def test_make_help_lists_every_target_by_purpose_run_first() -> None:
+    """``make`` alone is ``make help``: every target of the Makefile under one of the purposes,
+    in the order set-up, run, study, docs, test, with ``run`` before all of them."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = repo_root()
+    plain = subprocess.run(["make", "-s"], cwd=root, capture_output=True, text=True, timeout=60)
+    helped = subprocess.run(["make", "-s", "help"], cwd=root, capture_output=True, text=True,
+                            timeout=60)
+    assert plain.returncode == 0 and helped.returncode == 0, plain.stderr + helped.stderr
+    assert plain.stdout == helped.stdout
+    lines = helped.stdout.splitlines()
+    listed = [line.split()[0] for line in lines if line.startswith("  ") and line.strip()
+              and not line.startswith("   ")]
+    assert listed[0] == "run"
+    targets = set(re.findall(r"^([a-z][\w-]*):", (root / "Makefile").read_text(), flags=re.M))
+    assert targets - {"help"} == set(listed), targets ^ set(listed)
+    headings = [line for line in lines if line and not line.startswith(" ")][1:]
+    assert headings == ["Set-up", "Run", "Study", "Docs", "Test"]
