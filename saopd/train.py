@@ -52,7 +52,7 @@ from saopd.paths import conf_dir, config_dirs, register_resolvers, yaml_problem
 from saopd.prompts.sources import load_prompts
 from saopd.rollout.registry import build_run_engine
 from saopd.scoring.registry import build_scorer
-from saopd.scoring.teacher_service import TeacherServiceError, check_servable
+from saopd.scoring.teacher_service import check_servable
 from saopd.sweeps import is_multirun, record_failed_job, record_killed_job, run_tags
 from saopd.tracking import (
     check_tracking_server,
@@ -60,6 +60,7 @@ from saopd.tracking import (
     mark_run_killed,
     server_down,
 )
+from saopd.vllm.client.teacher_server import TeacherServiceError
 
 T = TypeVar("T")
 

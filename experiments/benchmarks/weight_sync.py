@@ -1,10 +1,10 @@
 """Benchmark: one weight sync of SmolLM2-135M-Instruct into vLLM, three ways, in one run.
 
-- ``in_process``: :class:`~saopd.rollout.vllm.VLLMEngine` with the engine core in this process,
+- ``in_process``: :class:`~saopd.vllm.engine.VLLMEngine` with the engine core in this process,
   tensors handed to vLLM's ``reload_weights`` (the ``iterator`` transport);
 - ``files``: the same engine with its core in a subprocess (what every rank of a colocated
   multi-process run uses): safetensors shards in ``/dev/shm``, reloaded from there;
-- ``server``: :class:`~saopd.rollout.vllm_server.VLLMServerEngine` against a ``saopd-serve``
+- ``server``: :class:`~saopd.vllm.client.rollout.VLLMServerEngine` against a ``saopd-serve``
   server on 127.0.0.1 (rank 0 writes the shards to the weights folder, the server reloads them
   over ``/collective_rpc``, resets its prefix cache and is checked).
 
@@ -72,10 +72,10 @@ def main() -> None:
 
     from saopd.models.loading import load_causal_lm, load_tokenizer
     from saopd.models.smollm2 import smollm2_135m_instruct
-    from saopd.rollout.hf import default_stop_token_ids
-    from saopd.rollout.vllm import VLLMEngine
-    from saopd.rollout.vllm_server import VLLMServerEngine
-    from saopd.rollout.vllm_sync import canonical_weight_name
+    from saopd.rollout.base import default_stop_token_ids
+    from saopd.vllm.client.rollout import VLLMServerEngine
+    from saopd.vllm.engine import VLLMEngine
+    from saopd.vllm.sync import canonical_weight_name
 
     source = smollm2_135m_instruct()
     model = load_causal_lm(str(source), dtype="float32")

@@ -108,7 +108,7 @@ class HFRolloutConfig(RolloutConfig):
 
 @dataclass
 class VLLMRolloutConfig(RolloutConfig, VLLMEngineOptions):
-    """``rollout=vllm``: :class:`saopd.rollout.vllm.VLLMEngine`, a vLLM copy of the student,
+    """``rollout=vllm``: :class:`saopd.vllm.engine.VLLMEngine`, a vLLM copy of the student,
     synced after every optimizer step (needs the ``vllm`` package: docs/vllm.md). The engine's
     options (``dtype``, ``max_model_len``, ``gpu_memory_utilization``, ``kv_cache_gb``,
     ``enforce_eager``, ``tensor_parallel_size``, ``model_dir``, ``max_images_per_prompt``,
@@ -157,7 +157,7 @@ class VLLMRolloutConfig(RolloutConfig, VLLMEngineOptions):
 
 @dataclass
 class VLLMServerRolloutConfig(RolloutConfig):
-    """``rollout=vllm_server``: :class:`saopd.rollout.vllm_server.VLLMServerEngine`, rollouts
+    """``rollout=vllm_server``: :class:`saopd.vllm.client.rollout.VLLMServerEngine`, rollouts
     from one or more vLLM servers started with ``saopd-serve`` (no ``vllm`` package needed in
     the training environment), synced after every optimizer step through safetensors shards.
 

@@ -29,7 +29,7 @@ class VLLMEngineOptions:
         kv_cache_gb: KV-cache size in GiB instead of the fraction. null: the fraction on GPU;
             on vLLM's CPU backend saopd sizes the cache before vLLM starts (room for
             ``max_num_seqs`` x ``max_model_len`` tokens, at most a quarter of the free memory
-            after the weights; :func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`) or
+            after the weights; :func:`saopd.vllm.runtime.cpu_kv_cache_bytes`) or
             refuses the run naming this option.
         enforce_eager: no CUDA graphs / compilation (faster start-up, slower decoding).
         tensor_parallel_size: GPUs the engine shards the model over. ``rollout=vllm`` with

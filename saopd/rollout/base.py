@@ -5,13 +5,20 @@ log-probs of the sampled tokens when it can report them). Training calls ``gener
 step from a Lightning callback, and ``load_weights`` after each optimizer step for engines that
 hold their own copy of the weights (vLLM); engines that sample from the live student module (HF
 ``generate``) need no sync.
+
+The stop-token policy every engine follows is here too (:func:`default_stop_token_ids`):
+responses are cut after their first stop token (kept). Stop tokens: the tokenizer's EOS, the
+chat template's end-of-turn token when it differs (:data:`END_OF_TURN_TOKENS`: those of them that
+are in the vocabulary and appear in the template) and the model's
+``generation_config.eos_token_id`` (Qwen lists ``<|im_end|>`` and ``<|endoftext|>``), unless the
+engine is given its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -19,7 +26,52 @@ from saopd.choices import LONG_PROMPT_MODES
 from saopd.prompts.vision import has_images
 from saopd.validation import check_choice, check_fraction, check_positive
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 Message = dict[str, Any]
+
+# Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+def token_id_list(value: Any) -> list[int]:
+    """Token ids as a list of ints: None -> ``[]``, one id -> ``[id]``, a tensor or any iterable
+    of ids -> its ids in order (a generation config's ``eos_token_id`` takes every form)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def default_stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | Any | None = None
+) -> tuple[int, ...]:
+    """EOS, the chat template's end-of-turn token and the model's generation-config EOS ids.
+
+    ``model``: anything with a ``generation_config`` (a model, or what stands in for one); None
+    = none. Order: tokenizer EOS first, duplicates removed. Raises ``ValueError`` when none is
+    found.
+    """
+    ids: list[int] = token_id_list(tokenizer.eos_token_id)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):  # a dict of named templates
+        template = " ".join(str(t) for t in dict(template).values())
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
+    gen_config = getattr(model, "generation_config", None)
+    if gen_config is not None:
+        ids += token_id_list(getattr(gen_config, "eos_token_id", None))
+    out = tuple(dict.fromkeys(ids))
+    if not out:
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no eos token and its chat template no known "
+            "end-of-turn token; pass eos_token_ids=[...]"
+        )
+    return out
 
 
 

@@ -20,13 +20,10 @@ before HF's temperature/top-p warpers, so memory is ``O(rows x vocabulary)`` ins
 vocabulary, 64 rows x 1,024 steps would be 40 GB). The tests check them against
 ``output_logits`` and against a teacher-forced forward pass of the same model.
 
-Responses are cut after their first stop token (kept). Stop tokens: the tokenizer's EOS, the
-chat template's end-of-turn token when it differs (``<|im_end|>``, ``<|eot_id|>``,
-``<end_of_turn>``, ``<|end|>``: those of them that are in the vocabulary and appear in the
-template) and the model's ``generation_config.eos_token_id`` (Qwen lists ``<|im_end|>`` and
-``<|endoftext|>``), unless ``eos_token_ids`` is given. A response that stops at once is
-``[eos]`` (length 1, ``finished=True``); a response of length 0 cannot occur, since
-``max_new_tokens >= 1`` and at least one token is always sampled.
+Responses are cut after their first stop token (kept): the engine contract's stop-token policy
+(:func:`~saopd.rollout.base.default_stop_token_ids`), unless ``eos_token_ids`` is given. A
+response that stops at once is ``[eos]`` (length 1, ``finished=True``); a response of length 0
+cannot occur, since ``max_new_tokens >= 1`` and at least one token is always sampled.
 
 Vision-language models (``processor=``, a Qwen-VL processor from :mod:`saopd.models.vlm`): chats
 may hold image parts; each prompt is prepared by :func:`saopd.prompts.vision.encode_prompt` (the
@@ -58,8 +55,10 @@ from saopd.rollout.base import (
     Rollout,
     RolloutBatch,
     SamplingParams,
+    default_stop_token_ids,
     limit_prompts,
     refuse_images,
+    token_id_list,
 )
 from saopd.rollout.hf_decode import (
     LEAN_DECODE_MODEL_TYPES,
@@ -76,19 +75,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "END_OF_TURN_TOKENS",
     "STATIC_CACHE_ROUND",
     "HFGenerateEngine",
-    "default_stop_token_ids",
 ]
 
 #: The static KV cache's length is rounded up to a multiple of this many tokens
 #: (``HFGenerateEngine(static_cache=True)``).
 STATIC_CACHE_ROUND = 256
-
-# Chat templates' end-of-turn tokens (ChatML/Qwen/SmolLM2, Llama 3, Gemma, Phi-3).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-
 
 def _check_optional_int(name: str, value: int | None) -> int | None:
     if value is None:
@@ -96,41 +89,6 @@ def _check_optional_int(name: str, value: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"HFGenerateEngine.{name} must be None or an int >= 1, got {value!r}")
     return value
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.flatten().tolist()]
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def default_stop_token_ids(
-    tokenizer: PreTrainedTokenizerBase, model: torch.nn.Module | None = None
-) -> tuple[int, ...]:
-    """EOS, the chat template's end-of-turn token and the model's generation-config EOS ids.
-
-    Order: tokenizer EOS first, duplicates removed. Raises ``ValueError`` when none is found.
-    """
-    ids: list[int] = _as_id_list(tokenizer.eos_token_id)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if not isinstance(template, str):  # a dict of named templates
-        template = " ".join(str(t) for t in dict(template).values())
-    vocab = tokenizer.get_vocab()
-    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t in template]
-    gen_config = getattr(model, "generation_config", None)
-    if gen_config is not None:
-        ids += _as_id_list(getattr(gen_config, "eos_token_id", None))
-    out = tuple(dict.fromkeys(ids))
-    if not out:
-        raise ValueError(
-            f"{type(tokenizer).__name__} has no eos token and its chat template no known "
-            "end-of-turn token; pass eos_token_ids=[...]"
-        )
-    return out
 
 
 def _sharded_across_ranks(model: torch.nn.Module) -> bool:
@@ -228,7 +186,7 @@ class HFGenerateEngine:
         self.compile_backend = compile_backend
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if eos_token_ids is not None:
-            stop = tuple(dict.fromkeys(_as_id_list(eos_token_ids)))
+            stop = tuple(dict.fromkeys(token_id_list(eos_token_ids)))
             if not stop:
                 raise ValueError("HFGenerateEngine.eos_token_ids must list at least one id")
         else:

@@ -8,8 +8,10 @@ training processes). ``saopd-train``, ``saopd-eval`` and evaluation during train
 their engine through :func:`build_engine`.
 
 Adding an engine: a module in :mod:`saopd.rollout` with a class decorated
-``@ENGINES.register("<name>")``, a config dataclass in :mod:`saopd.config.rollout` (registered in
-:data:`saopd.config.train.ROLLOUT_SCHEMAS`), ``conf/rollout/<name>.yaml`` and a test.
+``@ENGINES.register("<name>")`` (or, for an engine whose code lives above this package, as
+:mod:`saopd.vllm`'s does, a thin adapter in :mod:`saopd.rollout.adapters`), a config dataclass
+in :mod:`saopd.config.rollout` (registered in :data:`saopd.config.train.ROLLOUT_SCHEMAS`),
+``conf/rollout/<name>.yaml`` and a test.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINES", "EngineSetup", "build_engine", "build_run_engine", "holds_weights"]
 
-#: Rollout engine classes by config name (``hf``, ``vllm``).
+#: Rollout engine classes by config name (``hf``, ``vllm``, ``vllm_server``).
 ENGINES: Registry[Any] = Registry("rollout engine")
 
 

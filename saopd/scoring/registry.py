@@ -4,10 +4,13 @@ config.
 :data:`SCORERS` maps each backend of ``conf/teacher_scoring/`` to a factory
 ``(conf, pair) -> TeacherScorer | None``: ``hf`` gives None (the training module holds the
 teacher and scores it itself, with its head for the exact KL), ``vllm`` a
-:class:`~saopd.scoring.teacher_service.VLLMTeacherScorer` of the pair's teacher folder,
-``vllm_server`` a :class:`~saopd.scoring.teacher_service.VLLMServerTeacherScorer` of the
-configured servers, each checked to serve this teacher. A new backend registers its factory
-here (``SCORERS.add(name, factory)``) and adds its config file.
+:class:`~saopd.vllm.teacher.VLLMTeacherScorer` of the pair's teacher folder, ``vllm_server`` a
+:class:`~saopd.vllm.client.teacher.VLLMServerTeacherScorer` of the configured servers, each
+checked to serve this teacher. The two vLLM factories import their scorer from
+:mod:`saopd.vllm` when they run (the only imports from :mod:`saopd.scoring` into it:
+``ignore_imports`` of the layers contract in pyproject.toml), so this module imports without
+it. A new backend registers its factory here (``SCORERS.add(name, factory)``) and adds its
+config file.
 """
 
 from __future__ import annotations
@@ -19,11 +22,7 @@ from saopd.config.train import TrainConfig
 from saopd.data_parallel import num_training_processes
 from saopd.models.factory import ModelPair
 from saopd.registry import Registry
-from saopd.scoring.teacher_service import (
-    TeacherScorer,
-    VLLMServerTeacherScorer,
-    VLLMTeacherScorer,
-)
+from saopd.scoring.teacher_service import TeacherScorer
 
 ScorerFactory = Callable[[TrainConfig, ModelPair], "TeacherScorer | None"]
 
@@ -44,7 +43,7 @@ def _hf(conf: TrainConfig, pair: ModelPair) -> None:
     return None
 
 
-def _vllm(conf: TrainConfig, pair: ModelPair) -> VLLMTeacherScorer:
+def _vllm(conf: TrainConfig, pair: ModelPair) -> TeacherScorer:
     """``vllm``: a ``vllm.LLM`` of the pair's teacher folder (``pair.teacher_source``)."""
     ts = conf.teacher_scoring
     if ts.in_process and conf.rollout.engine == "vllm" and bool(
@@ -55,6 +54,8 @@ def _vllm(conf: TrainConfig, pair: ModelPair) -> VLLMTeacherScorer:
     if pair.teacher_source is None:
         raise ValueError("teacher_scoring=vllm needs the teacher as a model folder: build the "
                          "pair with build_models (teacher_folder for vllm)")
+    from saopd.vllm.teacher import VLLMTeacherScorer
+
     return VLLMTeacherScorer(
         pair.teacher_source, top_k=ts.top_k,
         dtype=conf.teacher.dtype if ts.dtype == "auto" else ts.dtype,
@@ -68,9 +69,11 @@ def _vllm(conf: TrainConfig, pair: ModelPair) -> VLLMTeacherScorer:
         seed=conf.seed, owned_dir=pair.teacher_source_owned)
 
 
-def _vllm_server(conf: TrainConfig, pair: ModelPair) -> VLLMServerTeacherScorer:
+def _vllm_server(conf: TrainConfig, pair: ModelPair) -> TeacherScorer:
     """``vllm_server``: the configured servers, each checked against the teacher's config,
     tokenizer and weight files (the key file read)."""
+    from saopd.vllm.client.teacher import VLLMServerTeacherScorer
+
     return VLLMServerTeacherScorer.from_config(conf.teacher_scoring, conf.teacher,
                                                pair.teacher_tokenizer)
 

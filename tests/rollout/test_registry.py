@@ -28,8 +28,8 @@ from saopd.data_parallel import num_training_processes
 from saopd.paths import conf_dir
 from saopd.rollout import ENGINES, HFGenerateEngine, SamplingParams
 from saopd.rollout.registry import build_engine
-from saopd.rollout.vllm import ENGINE_OPTIONS, VLLMEngine
-from saopd.rollout.vllm_sync import canonical_weight_name, iter_full_tensor_buckets
+from saopd.vllm.engine import ENGINE_OPTIONS, VLLMEngine
+from saopd.vllm.sync import canonical_weight_name, iter_full_tensor_buckets
 from tests.conftest import compose_train
 from tests.helpers.net import free_port
 
@@ -37,7 +37,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 def test_saopd_rollout_vllm_imports_without_vllm() -> None:
-    import saopd.rollout.vllm as module
+    import saopd.vllm.engine as module
 
     assert module.VLLMEngine.holds_weights
 
@@ -132,7 +132,7 @@ def test_bad_vllm_values_name_the_key(override: str, match: str, tmp_path: Path)
 
 def test_several_processes_get_colocated_engines(tmp_path: Path, tiny_tok, monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
-    from saopd.rollout.vllm import VLLMEngine
+    from saopd.vllm.engine import VLLMEngine
 
     model = tiny_qwen3(tiny_tok)
     # one engine per rank: out of process, a folder per rank, the rank's local device
@@ -161,7 +161,7 @@ def test_several_processes_get_colocated_engines(tmp_path: Path, tiny_tok, monke
 def test_several_processes_share_tensor_parallel_engines(tmp_path: Path, tiny_tok,
                                                          monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
-    from saopd.rollout.vllm import VLLMEngine
+    from saopd.vllm.engine import VLLMEngine
 
     model = tiny_qwen3(tiny_tok)
     seen: dict = {}
@@ -200,7 +200,7 @@ def test_a_colocated_engine_starts_in_a_clean_environment(monkeypatch) -> None:
     import os
 
     from saopd.data_parallel import training_rank
-    from saopd.serving.vllm_runtime import LAUNCHER_VARIABLES, engine_environment
+    from saopd.vllm.runtime import LAUNCHER_VARIABLES, engine_environment
 
     for key in LAUNCHER_VARIABLES:
         monkeypatch.setenv(key, "7")

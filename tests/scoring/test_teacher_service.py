@@ -29,6 +29,7 @@ from saopd.contexts.text import collate_contexts
 from saopd.filters import build_filter
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.objectives import build_objective
+from saopd.scoring.hf_teacher import HFTeacherScorer
 from saopd.scoring.passes import (
     ScoringNeeds,
     TeacherScores,
@@ -36,15 +37,11 @@ from saopd.scoring.passes import (
     score_student,
     score_teacher,
 )
-from saopd.scoring.prompt_logprobs import context_prompts, response_token_index, topk_entropy
-from saopd.scoring.teacher_service import (
-    HFTeacherScorer,
-    TeacherServiceError,
-    VLLMServerTeacherScorer,
-    check_servable,
-    unservable,
-)
-from saopd.serving.weights_files import weights_digest
+from saopd.scoring.teacher_service import check_servable, unservable
+from saopd.vllm.client.teacher import VLLMServerTeacherScorer
+from saopd.vllm.client.teacher_server import TeacherServiceError
+from saopd.vllm.prompt_logprobs import context_prompts, response_token_index, topk_entropy
+from saopd.vllm.weights_files import weights_digest
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PROMPTS = ["Alice has 3 apples and buys 2 more books.", "Bob sells 7 marbles to Maria.", "hi"]

@@ -22,8 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch.distributed as dist
 
-import saopd.rollout.vllm as vllm_engine
-import saopd.rollout.vllm_tp as vllm_tp
+import saopd.vllm.engine as vllm_engine
+import saopd.vllm.tp as vllm_tp
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.rollout import SamplingParams
 

@@ -3,7 +3,7 @@ test-vllm`). Skipped where vllm is not installed.
 
 Without ``kv_cache_gb`` vLLM's CPU worker would reserve 90% of the memory node's total memory and
 die in its engine core's traceback when other processes hold memory; saopd sizes the KV cache
-before vLLM starts (:func:`saopd.serving.vllm_runtime.cpu_kv_cache_bytes`). ``experiment=tiny``
+before vLLM starts (:func:`saopd.vllm.runtime.cpu_kv_cache_bytes`). ``experiment=tiny``
 trains with ``teacher_scoring=vllm`` and with ``rollout=vllm`` given no memory option, each engine
 with the size saopd chose; with too little free memory both are refused before vLLM starts, the
 message naming the option to set.
@@ -21,10 +21,10 @@ pytest.importorskip("vllm")
 
 import torch
 
-import saopd.rollout.vllm as rollout_vllm
-import saopd.scoring.teacher_service as teacher_service
-import saopd.serving.vllm_runtime as runtime
-from saopd.serving.vllm_runtime import KV_CACHE_SHARE, MemoryFigures, available_memory
+import saopd.vllm.engine as rollout_vllm
+import saopd.vllm.runtime as runtime
+import saopd.vllm.teacher as teacher_scoring
+from saopd.vllm.runtime import KV_CACHE_SHARE, MemoryFigures, available_memory
 
 GIB = 1 << 30
 # no kv_cache_gb, max_model_len or gpu_memory_utilization anywhere: eager only, to start fast
@@ -32,7 +32,7 @@ CASES = {
     "teacher_scoring": ("teacher_scoring=vllm", "teacher_scoring.enforce_eager=true"),
     "rollout": ("rollout=vllm", "rollout.enforce_eager=true"),
 }
-MODULES = {"teacher_scoring": teacher_service, "rollout": rollout_vllm}
+MODULES = {"teacher_scoring": teacher_scoring, "rollout": rollout_vllm}
 
 
 @pytest.mark.parametrize("owner", list(CASES))

@@ -49,23 +49,23 @@ from typing import Any
 import pytest
 import torch
 
-from saopd.serve import build_command, check_port
-from saopd.serve import main as serve_main
-from saopd.serving.auth import (
-    API_KEY_ENV,
-    client_api_key,
-    default_key_file,
-    server_api_key,
-)
-from saopd.serving.guard import BROKEN_HEADER, SaopdServeGuard
-from saopd.serving.scratch import (
+from saopd.vllm.scratch import (
     OWNER_FILE,
     check_sync_folder,
     owned_dir,
     owner_record,
     remove_stale_dirs,
 )
-from saopd.serving.weights_files import check_reload_folder, weights_digest
+from saopd.vllm.server.auth import (
+    API_KEY_ENV,
+    client_api_key,
+    default_key_file,
+    server_api_key,
+)
+from saopd.vllm.server.cli import build_command, check_port
+from saopd.vllm.server.cli import main as serve_main
+from saopd.vllm.server.guard import BROKEN_HEADER, SaopdServeGuard
+from saopd.vllm.weights_files import check_reload_folder, weights_digest
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vllm (make test-vllm)")
@@ -215,7 +215,7 @@ def no_exec(monkeypatch):
     def refuse(*args: Any) -> None:
         raise AssertionError("saopd-serve went on to start vLLM")
 
-    monkeypatch.setattr("saopd.serve.os.execve", refuse)
+    monkeypatch.setattr("saopd.vllm.server.cli.os.execve", refuse)
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
@@ -428,7 +428,7 @@ class _Server:
         return self._key
 
     def wait(self) -> None:
-        from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
+        from saopd.vllm.client.rollout_server import RolloutServerError, ServerClient
 
         deadline = time.monotonic() + START_TIMEOUT
         while self.key_file is not None and not self.key_file.exists():
@@ -529,9 +529,9 @@ def servers(tok, tmp_path_factory) -> Iterator[dict[str, Any]]:
 
 
 def _engine(tok: Any, server: _Server, model: Any, **kw: Any) -> Any:
-    from saopd.rollout.hf import default_stop_token_ids
-    from saopd.rollout.vllm_server import VLLMServerEngine
-    from saopd.rollout.vllm_sync import canonical_weight_name
+    from saopd.rollout.base import default_stop_token_ids
+    from saopd.vllm.client.rollout import VLLMServerEngine
+    from saopd.vllm.sync import canonical_weight_name
 
     expected = {canonical_weight_name(n): tuple(p.shape) for n, p in model.named_parameters()}
     kw.setdefault("weights_dir", server.weights)
@@ -546,7 +546,8 @@ def test_a_teacher_server_must_serve_the_teacher(servers, tok, monkeypatch) -> N
     from saopd.config.model import ModelConfig
     from saopd.config.teacher_scoring import TeacherScoringConfig
     from saopd.models.tiny import tiny_qwen3
-    from saopd.scoring.teacher_service import TeacherServiceError, VLLMServerTeacherScorer
+    from saopd.vllm.client.teacher import VLLMServerTeacherScorer
+    from saopd.vllm.client.teacher_server import TeacherServiceError
 
     a, root = servers["a"], servers["root"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(root / "cache"))  # the digests' cache
@@ -621,7 +622,7 @@ def test_reloads_read_only_the_weights_folder_and_a_refused_one_keeps_the_weight
         servers, tok, tmp_path) -> None:
     from saopd.models.tiny import tiny_qwen3
     from saopd.rollout import SamplingParams
-    from saopd.rollout.vllm_server_client import RolloutServerError
+    from saopd.vllm.client.rollout_server import RolloutServerError
 
     a = servers["a"]
     # the server removed the dead run's folder at start, not the live one's
@@ -682,7 +683,7 @@ def test_reloads_read_only_the_weights_folder_and_a_refused_one_keeps_the_weight
 def test_a_reload_that_fails_inside_vllm_makes_the_server_say_restart(servers, tok,
                                                                      monkeypatch) -> None:
     from saopd.models.tiny import tiny_qwen3
-    from saopd.rollout.vllm_server_client import RolloutServerError
+    from saopd.vllm.client.rollout_server import RolloutServerError
 
     b = servers["b"]
     monkeypatch.setenv(API_KEY_ENV, b.key)  # B's key from the environment, as a client's would

@@ -41,11 +41,9 @@ import torch
 from saopd.contexts.text import collate_contexts
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student, score_teacher
-from saopd.scoring.teacher_service import (
-    TeacherServiceError,
-    VLLMServerTeacherScorer,
-    VLLMTeacherScorer,
-)
+from saopd.vllm.client.teacher import VLLMServerTeacherScorer
+from saopd.vllm.client.teacher_server import TeacherServiceError
+from saopd.vllm.teacher import VLLMTeacherScorer
 
 TOL = 1e-4
 ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "max_model_len": 512}

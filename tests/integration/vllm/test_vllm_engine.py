@@ -24,7 +24,7 @@ import torch
 
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.rollout import HFGenerateEngine, RolloutEngine, SamplingParams
-from saopd.rollout.vllm import VLLMEngine
+from saopd.vllm.engine import VLLMEngine
 
 CHATS = [
     [{"role": "user", "content": "Alice has 3 apples and then 4 more. How many apples are there?"}],

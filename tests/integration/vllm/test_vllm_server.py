@@ -43,10 +43,10 @@ import torch
 
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.rollout import SamplingParams
-from saopd.rollout.hf import default_stop_token_ids
-from saopd.rollout.vllm_server import VLLMServerEngine
-from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
-from saopd.rollout.vllm_sync import canonical_weight_name
+from saopd.rollout.base import default_stop_token_ids
+from saopd.vllm.client.rollout import VLLMServerEngine
+from saopd.vllm.client.rollout_server import RolloutServerError, ServerClient
+from saopd.vllm.sync import canonical_weight_name
 
 CHATS = [
     [{"role": "user", "content": "Alice has 3 apples and then 4 more. How many apples are there?"}],

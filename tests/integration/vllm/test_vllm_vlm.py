@@ -24,7 +24,7 @@ import torch
 from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.prompts.vision import encode_prompt
 from saopd.rollout import HFGenerateEngine, SamplingParams
-from saopd.rollout.vllm import VLLMEngine
+from saopd.vllm.engine import VLLMEngine
 from tests.helpers.vlm import chats, solid, teacher_forced
 
 ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "max_model_len": 512}

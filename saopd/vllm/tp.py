@@ -44,13 +44,12 @@ import torch
 
 from saopd.data_parallel import training_rank
 from saopd.rollout.base import Message, SamplingParams
-from saopd.serving.vllm_runtime import preserve_process_state, temporary_environ
 from saopd.validation import check_int
+from saopd.vllm.runtime import preserve_process_state, temporary_environ
 
 __all__ = [
     "HARD_DEADLINE_GRACE",
     "TensorParallelGroup",
-    "destroy_vllm_groups",
     "gather_group_requests",
     "hard_deadline",
     "start_shard",
@@ -290,21 +289,6 @@ def _default_store() -> Any | None:
         return getter() if callable(getter) else None
     except (RuntimeError, ValueError):
         return None
-
-
-def destroy_vllm_groups() -> None:
-    """Destroy the process groups an external-launcher engine made vLLM build (its model-parallel
-    groups and its world group), leaving the trainer's default group alone (vLLM's
-    ``destroy_distributed_environment`` would destroy it too). Another engine may then start in
-    this process."""
-    with contextlib.suppress(Exception):
-        from vllm.distributed import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        world = getattr(parallel_state, "_WORLD", None)
-        if world is not None:
-            world.destroy()
-            parallel_state._WORLD = None
 
 
 def start_shard(llm_kwargs: dict[str, Any], tensor_parallel_size: int, seconds: float,

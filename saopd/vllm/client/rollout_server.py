@@ -1,7 +1,7 @@
 """One rollout server (``rollout=vllm_server``): the client of a ``saopd-serve`` server and the
 checks the engine runs through it (:class:`ServerClient`).
 
-Start-up (:class:`~saopd.rollout.vllm_server.VLLMServerEngine`'s constructor, through
+Start-up (:class:`~saopd.vllm.client.rollout.VLLMServerEngine`'s constructor, through
 :func:`check_models` and the client's methods): ``GET /v1/models`` (the served model id:
 ``rollout.model``, or the first server's, the same on all; the smallest ``max_model_len``),
 who the server is (``saopd_server_info``: the instance id and start time ``saopd-serve`` set,
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from saopd.serving.http import JsonClient, ServerError
-from saopd.serving.identity import config_differences, config_values
+from saopd.vllm.client.http import JsonClient, ServerError
+from saopd.vllm.identity import config_differences, config_values
 
 __all__ = ["RAW_LOGPROBS", "RolloutServerError", "ServerClient", "check_models", "json_number"]
 
@@ -46,7 +46,7 @@ class RolloutServerError(ServerError):
 
 
 class ServerClient(JsonClient):
-    """JSON over HTTP with one ``saopd-serve`` server (:class:`saopd.serving.http.JsonClient`
+    """JSON over HTTP with one ``saopd-serve`` server (:class:`saopd.vllm.client.http.JsonClient`
     raising :class:`RolloutServerError`, every error naming the URL), and the calls the rollout
     engine makes.
 
@@ -127,7 +127,7 @@ class ServerClient(JsonClient):
     def check_config(self, info: Mapping[str, Any], model: str,
                      model_config: Any | None) -> None:
         """The served model's config (``info``'s) agrees with the student's on
-        :data:`~saopd.serving.identity.CONFIG_KEYS` (None: not compared)."""
+        :data:`~saopd.vllm.identity.CONFIG_KEYS` (None: not compared)."""
         if model_config is None:
             return
         differ = config_differences(info["config"], config_values(model_config), "student")

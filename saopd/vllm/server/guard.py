@@ -1,5 +1,5 @@
 """The ASGI middleware ``saopd-serve`` puts in front of vLLM's whole server (``--middleware
-saopd.serving.guard.SaopdServeGuard``; vLLM adds it last, so it sees every request first).
+saopd.vllm.server.guard.SaopdServeGuard``; vLLM adds it last, so it sees every request first).
 
 vLLM's own ``--api-key`` check covers the paths under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere`` only (vllm 0.32, ``entrypoints/serve/middleware/authenticate.py``): the dev-mode
@@ -8,7 +8,7 @@ endpoints saopd needs (``/collective_rpc``, which runs worker methods by name, a
 guard, for every HTTP request and WebSocket of every path:
 
 1. **401** unless it carries ``Authorization: Bearer <key>`` with the server's key
-   (``SAOPD_SERVE_API_KEY`` in the server's environment, :mod:`saopd.serving.auth`; compared as
+   (``SAOPD_SERVE_API_KEY`` in the server's environment, :mod:`saopd.vllm.server.auth`; compared as
    SHA-256 digests in constant time). The guard refuses to start without a key.
 2. **403** for the endpoints that change the weights from outside saopd's weights folder
    (:data:`BLOCKED_PATHS`: vLLM's RL weight-transfer routes) and, on ``/collective_rpc``, for
@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from saopd.serving.auth import API_KEY_ENV
+from saopd.vllm.server.auth import API_KEY_ENV
 
 __all__ = ["BLOCKED_PATHS", "BROKEN_HEADER", "RPC_PREFIX", "SaopdServeGuard"]
 

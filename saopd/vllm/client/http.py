@@ -2,11 +2,11 @@
 
 Plain ``urllib`` (no ``vllm`` and no HTTP library needed in the training environment), proxies
 ignored (the servers are on the cluster's network). Used by the rollout servers' client
-(:mod:`saopd.rollout.vllm_server`) and the teacher servers' (:mod:`saopd.scoring.teacher_service`),
+(:mod:`saopd.vllm.client.rollout`) and the teacher servers' (:mod:`saopd.vllm.client.teacher`),
 each with its own error class (a :class:`ServerError`) and wording. Every request carries the
-server's API key (``Authorization: Bearer``, :mod:`saopd.serving.auth`) when there is one; the
+server's API key (``Authorization: Bearer``, :mod:`saopd.vllm.server.auth`) when there is one; the
 key is never part of a message or a ``repr``. A 401 or 403 says how to pass the key; a server
-that marked itself broken (a failed weight reload, :mod:`saopd.serving.guard`) says to restart
+that marked itself broken (a failed weight reload, :mod:`saopd.vllm.server.guard`) says to restart
 it; both are raised at once by :meth:`JsonClient.wait_healthy` instead of waiting.
 """
 
@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from saopd.serving.guard import BROKEN_HEADER
+from saopd.vllm.server.guard import BROKEN_HEADER
 
 __all__ = ["JsonClient", "ServerError", "error_detail"]
 

@@ -1,7 +1,7 @@
 """What a served model is, as a server reports it and a client compares it: the architecture and
 sizes of its config (:data:`CONFIG_KEYS`). The rollout servers' model must have the student's
 values (its weights are replaced by every sync); a teacher server's, the teacher's (and its
-weight files' fingerprint, :mod:`saopd.serving.weights_files`). Standard library only.
+weight files' fingerprint, :mod:`saopd.vllm.weights_files`). Standard library only.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""How :class:`~saopd.rollout.vllm.VLLMEngine` samples (:class:`VLLMSampling`, its sampling
+"""How :class:`~saopd.vllm.engine.VLLMEngine` samples (:class:`VLLMSampling`, its sampling
 half): chats rendered to token-id (and image) requests, vLLM's sampling parameters, one
 ``llm.generate`` call per step, its outputs checked into rollouts; and its sleep mode around
 the calls.
 
 Sampling matches :class:`~saopd.rollout.hf.HFGenerateEngine`: the same chat rendering, prompt
 limit (``truncate`` / ``error`` / ``skip``, with the same counts), stop tokens
-(:func:`~saopd.rollout.hf.default_stop_token_ids`), ``softmax(logits / T)`` restricted to the
+(:func:`~saopd.rollout.base.default_stop_token_ids`), ``softmax(logits / T)`` restricted to the
 top-p nucleus (top-k, min-p and penalties off; the model folder's ``generation_config`` is not
 applied: ``generation_config="vllm"``), ``n`` samples per prompt grouped by prompt, and sampler
 log-probs of the *raw* (untempered) distribution: ``SamplingParams(logprobs=0)`` returns the
@@ -55,13 +55,13 @@ from saopd.rollout.base import (
     limit_prompts,
     refuse_images,
 )
-from saopd.rollout.vllm_tp import TensorParallelGroup, gather_group_requests
+from saopd.vllm.tp import TensorParallelGroup, gather_group_requests
 
 __all__ = ["VLLMSampling"]
 
 
 class VLLMSampling:
-    """The sampling half of :class:`~saopd.rollout.vllm.VLLMEngine` (module docstring): the
+    """The sampling half of :class:`~saopd.vllm.engine.VLLMEngine` (module docstring): the
     engine sets the attributes below in its constructor and starts ``llm``."""
 
     llm: Any

@@ -1,7 +1,7 @@
 """The shared secret between ``saopd-serve`` servers and their clients (the trainer).
 
 Every endpoint of a ``saopd-serve`` server answers 401 unless the request carries
-``Authorization: Bearer <key>`` (:mod:`saopd.serving.guard`). The key:
+``Authorization: Bearer <key>`` (:mod:`saopd.vllm.server.guard`). The key:
 
 - on the server (:func:`server_api_key`): ``SAOPD_SERVE_API_KEY`` when set; else the content of
   ``--api-key-file`` when that file exists; else a new random key (256 bits), written to

@@ -32,11 +32,11 @@ import torch.multiprocessing as mp
 
 from saopd.config.rollout import VLLMServerRolloutConfig
 from saopd.rollout import ENGINES, SamplingParams, build_engine
-from saopd.rollout.vllm_server import VLLMServerEngine
-from saopd.rollout.vllm_server_client import RolloutServerError, ServerClient
-from saopd.rollout.vllm_worker import INSTANCE_ENV, PROBE_FILE, STARTED_ENV, WORKER_EXTENSION
-from saopd.serve import GUARD, build_command, weights_dir
-from saopd.serve import main as serve_main
+from saopd.vllm.client.rollout import VLLMServerEngine
+from saopd.vllm.client.rollout_server import RolloutServerError, ServerClient
+from saopd.vllm.server.cli import GUARD, build_command, weights_dir
+from saopd.vllm.server.cli import main as serve_main
+from saopd.vllm.worker import INSTANCE_ENV, PROBE_FILE, STARTED_ENV, WORKER_EXTENSION
 from tests.helpers.net import free_port
 
 CHATS = [[{"role": "user", "content": "Alice has 3 apples. How many?"}],
@@ -378,7 +378,7 @@ def test_prefix_cache_reset_is_retried_then_refused(fake, engine, monkeypatch) -
     fake.faults["/reset_prefix_cache"] = lambda body: (200, next(answers))
     engine.load_weights(_student().items())
     fake.faults["/reset_prefix_cache"] = (200, {"success": False})
-    monkeypatch.setattr("saopd.rollout.vllm_server.time.sleep", lambda s: None)
+    monkeypatch.setattr("saopd.vllm.client.rollout.time.sleep", lambda s: None)
     with pytest.raises(RolloutServerError, match=rf"{fake.url} could not reset its prefix cache"):
         engine.load_weights(_student().items())
 
@@ -522,7 +522,7 @@ def test_saopd_serve_command() -> None:
 
 
 def test_saopd_serve_without_vllm_says_how_to_install(capsys, monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr("saopd.serve.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("saopd.vllm.server.cli.importlib.util.find_spec", lambda name: None)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
         serve_main(["--model", str(tmp_path), "--port", str(free_port())])

@@ -1,9 +1,9 @@
 """The process-level care around a vLLM engine started inside a training process: importing
 vLLM with an install hint, undoing what its start-up changes in the process (RNG states, torch's
 thread count), the environment an engine core starts in (no launcher variables for a colocated
-engine, one GPU), the KV-cache size of an engine on vLLM's CPU backend, and shutting an engine
-down. Shared by the rollout engine (:mod:`saopd.rollout.vllm`) and the teacher's scoring engine
-(:mod:`saopd.scoring.teacher_service`).
+engine, one GPU) and the KV-cache size of an engine on vLLM's CPU backend (shutting an engine
+down is :mod:`saopd.vllm.shutdown`). Shared by the rollout engine (:mod:`saopd.vllm.engine`) and
+the teacher's scoring engine (:mod:`saopd.vllm.teacher`).
 
 **KV cache on CPU.** Without ``kv_cache_memory_bytes``, vLLM's CPU worker reserves
 ``gpu_memory_utilization`` (0.9 by default) of the memory node's *total* memory and stops, in its
@@ -44,7 +44,6 @@ __all__ = [
     "kv_bytes_per_token",
     "preserve_process_state",
     "require_vllm",
-    "shutdown_llm",
     "size_cpu_kv_cache",
     "temporary_environ",
 ]
@@ -153,24 +152,6 @@ def engine_environment(local_rank: int | None) -> contextlib.AbstractContextMana
     if local_rank is None:
         return contextlib.nullcontext()
     return temporary_environ(colocated_environ(local_rank))
-
-
-def shutdown_llm(llm: Any, *, destroy_distributed: bool = False) -> None:
-    """Shut a ``vllm.LLM`` down: its engine core (a process, or this one's), and with
-    ``destroy_distributed`` the model-parallel state an in-process engine set up here."""
-    core = getattr(llm.llm_engine, "engine_core", None)
-    with contextlib.suppress(Exception):
-        if core is not None:
-            core.shutdown()
-    if destroy_distributed:
-        with contextlib.suppress(Exception):
-            from vllm.distributed.parallel_state import (
-                destroy_distributed_environment,
-                destroy_model_parallel,
-            )
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
 
 
 # ---- the KV cache of an engine on vLLM's CPU backend ---------------------------------------

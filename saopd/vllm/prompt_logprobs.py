@@ -1,8 +1,8 @@
 """The two vLLM teacher backends' common part: the step's contexts as token-id prompts, and
 vLLM's prompt log-probs back as the step's ``[B, R]`` teacher scores.
 
-:class:`~saopd.scoring.teacher_service.VLLMTeacherScorer` (``teacher_scoring=vllm``) and
-:class:`~saopd.scoring.teacher_service.VLLMServerTeacherScorer` (``vllm_server``) send each
+:class:`~saopd.vllm.teacher.VLLMTeacherScorer` (``teacher_scoring=vllm``) and
+:class:`~saopd.vllm.client.teacher.VLLMServerTeacherScorer` (``vllm_server``) send each
 row's real context ids (padding removed, either side: :func:`context_prompts`) and read vLLM's
 ``prompt_logprobs[j]``, the log-prob of prompt token ``j`` given the tokens before it (``None``
 at ``j = 0``); the response token of slot ``r`` sits at padded position ``gather_index[r] + 1``,

@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from saopd.rollout import SamplingParams
 from saopd.rollout.base import RolloutBatch
-from saopd.rollout.vllm import VLLMEngine
-from saopd.rollout.vllm_tp import TensorParallelGroup, gather_group_requests, tensor_parallel_groups
+from saopd.vllm.engine import VLLMEngine
+from saopd.vllm.tp import TensorParallelGroup, gather_group_requests, tensor_parallel_groups
 from tests.helpers.net import free_port
 
 

@@ -1,17 +1,17 @@
 """A rollout engine on vLLM servers (``rollout=vllm_server``): sampling over HTTP, synced by files.
 
 :class:`VLLMServerEngine` samples from one or more vLLM servers started with ``saopd-serve``
-(:mod:`saopd.serve`: vLLM's OpenAI-compatible server with its dev-mode endpoints and saopd's
-worker extension, :class:`~saopd.rollout.vllm_worker.SaopdWorkerExtension`), listed in
+(:mod:`saopd.vllm.server.cli`: vLLM's OpenAI-compatible server with its dev-mode endpoints and
+saopd's worker extension, :class:`~saopd.vllm.worker.SaopdWorkerExtension`), listed in
 ``rollout.urls``. The training process imports no ``vllm``: it speaks HTTP (``urllib``, no
 proxies) and JSON.
 
-Sampling (:meth:`VLLMServerEngine.generate`) matches :class:`~saopd.rollout.vllm.VLLMEngine`:
+Sampling (:meth:`VLLMServerEngine.generate`) matches :class:`~saopd.vllm.engine.VLLMEngine`:
 the same chat rendering and prompt limit (:func:`~saopd.rollout.base.limit_prompts`: truncate /
 error / skip, with the same counts); one ``POST /v1/completions`` per kept prompt whose
 ``prompt`` is exactly the token ids saopd rendered (so scoring sees what was sampled), with
 ``n``, temperature and top-p (top-k, min-p and penalties off), the stop tokens
-(:func:`~saopd.rollout.hf.default_stop_token_ids`), ``logprobs: 0`` (the sampled token's raw
+(:func:`~saopd.rollout.base.default_stop_token_ids`), ``logprobs: 0`` (the sampled token's raw
 log-prob: the server must run vLLM's default ``--logprobs-mode raw_logprobs``, which start-up
 checks), ``return_token_ids`` and, with a seed, ``seed + i * n`` for the prompt of index ``i``
 (vLLM gives its ``j``-th sample ``seed + i * n + j``). A prompt is sampled by one server; the
@@ -21,9 +21,9 @@ flight per server. With the same weights a sample does not depend on which serve
 
 Weight sync (:meth:`VLLMServerEngine.load_weights`, after every optimizer step and once at the
 start, on every rank): every rank iterates the student's full parameter set bucket by bucket
-(:func:`~saopd.rollout.vllm_sync.iter_with_sums`; FSDP2 DTensors are gathered with
+(:func:`~saopd.vllm.sync.iter_with_sums`; FSDP2 DTensors are gathered with
 ``full_tensor()``, a collective), global rank 0 writes the tensors as safetensors shards
-(:func:`~saopd.rollout.vllm_sync.write_shards`, in the servers' dtype) to a folder under
+(:func:`~saopd.vllm.sync.write_shards`, in the servers' dtype) to a folder under
 ``rollout.weights_dir`` that every server can read, and then, for every server in parallel:
 checks it is the server met at start-up, has it reload the folder (``POST /collective_rpc``
 ``saopd_server_reload``: vLLM's ``reload_weights(weights_path=...)``, the tied LM heads
@@ -35,13 +35,13 @@ outcome (a barrier with the error, when there is one, so no rank waits forever o
 weights).
 
 Start-up (the constructor) waits for every server's ``GET /health`` (``startup_timeout``), then
-checks each server through its client (:mod:`saopd.rollout.vllm_server_client`: the served
+checks each server through its client (:mod:`saopd.vllm.client.rollout_server`: the served
 model and the smallest ``max_model_len``, who the server is, its config against the student's,
 its weights folder, which of its tensors it stores under the checkpoint's names and shapes).
 The first sync writes a probe file to the weights folder and has every server answer its
 digest, so a folder a server cannot see is reported at once.
 
-Every failure names the server (:class:`~saopd.rollout.vllm_server_client.RolloutServerError`).
+Every failure names the server (:class:`~saopd.vllm.client.rollout_server.RolloutServerError`).
 Not supported yet: vision-language students (use ``rollout=vllm``), servers with sleep mode.
 """
 
@@ -74,27 +74,27 @@ from saopd.rollout.base import (
     RolloutBatch,
     SamplingParams,
     check_context_fits,
+    default_stop_token_ids,
     limit_prompts,
     refuse_images,
 )
-from saopd.rollout.hf import default_stop_token_ids
-from saopd.rollout.registry import ENGINES, EngineSetup
-from saopd.rollout.vllm_server_client import (
+from saopd.rollout.registry import EngineSetup
+from saopd.validation import check_choice, check_int, check_number
+from saopd.vllm.client.rollout_server import (
     RolloutServerError,
     ServerClient,
     check_models,
     json_number,
 )
-from saopd.rollout.vllm_sync import (
+from saopd.vllm.scratch import SYNC_PREFIX, owned_dir, remove_stale_dirs, shm_dir
+from saopd.vllm.server.auth import client_api_key
+from saopd.vllm.sync import (
     canonical_weight_name,
     checked_weights,
     iter_with_sums,
     write_shards,
 )
-from saopd.rollout.vllm_worker import PROBE_FILE
-from saopd.serving.auth import client_api_key
-from saopd.serving.scratch import SYNC_PREFIX, owned_dir, remove_stale_dirs, shm_dir
-from saopd.validation import check_choice, check_int, check_number
+from saopd.vllm.worker import PROBE_FILE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -121,7 +121,6 @@ def _drain(stream: Iterable[Any]) -> None:
         pass
 
 
-@ENGINES.register("vllm_server")
 class VLLMServerEngine:
     """Samples rollouts from ``saopd-serve`` servers; synced by ``load_weights`` (module
     docstring). The constructor connects to the servers and checks them.
@@ -132,9 +131,9 @@ class VLLMServerEngine:
         expected_weights: ``{HF name: shape}`` that ``load_weights`` must receive (the student's
             parameters, tied ones once).
         stop_token_ids: stop tokens (at least one; the student's
-            :func:`~saopd.rollout.hf.default_stop_token_ids`).
+            :func:`~saopd.rollout.base.default_stop_token_ids`).
         model_config: the student's ``transformers`` config: its
-            :data:`~saopd.serving.identity.CONFIG_KEYS` values must equal the servers' (None =
+            :data:`~saopd.vllm.identity.CONFIG_KEYS` values must equal the servers' (None =
             not compared).
         model: the model id the servers must list in ``/v1/models`` (None = the first
             server's first model, which every server must list).
@@ -147,6 +146,7 @@ class VLLMServerEngine:
             :class:`~saopd.rollout.hf.HFGenerateEngine`.
     """
 
+    name = "vllm_server"  # its registry name (saopd.rollout.adapters)
     holds_weights = True  # needs load_weights after every optimizer step
 
     def __init__(
@@ -306,7 +306,7 @@ class VLLMServerEngine:
                  ) -> RolloutBatch:
         """Sample ``sampling.n`` responses for each chat prompt (grouped by prompt, in order).
 
-        Returns a :class:`RolloutBatch` like :class:`~saopd.rollout.vllm.VLLMEngine`'s: each
+        Returns a :class:`RolloutBatch` like :class:`~saopd.vllm.engine.VLLMEngine`'s: each
         response has 1 to ``max_new_tokens`` token ids, ends with its first stop token when
         ``finished``, carries its raw sampler log-probs and the prompt ids it was sampled from.
         ``ValueError`` when a kept prompt plus ``max_new_tokens`` exceeds the servers'
@@ -396,7 +396,7 @@ class VLLMServerEngine:
         """Make every server sample from these weights from now on (module docstring).
 
         Call it on every rank with the same parameters in the same order (FSDP2 gathers are
-        collectives): ``named_tensors`` as for :meth:`~saopd.rollout.vllm.VLLMEngine.load_weights`
+        collectives): ``named_tensors`` as for :meth:`~saopd.vllm.engine.VLLMEngine.load_weights`
         (full set, HF names, DTensors allowed; checked before anything is written:
         ``ValueError``). Global rank 0 writes the shards and drives the servers; every rank
         then raises the same error when any of it failed (``RolloutServerError`` naming the
