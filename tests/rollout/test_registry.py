@@ -321,7 +321,7 @@ def test_build_engine_passes_every_vllm_option_to_from_model(
 
 def test_hf_engine_options_are_init_keywords_with_the_config_defaults() -> None:
     own = [f.name for f in fields(HFRolloutConfig) if f.name not in SHARED]
-    assert own == ["batch_size", "sampler"]
+    assert own == ["batch_size", "sampler", "static_cache"]
     for name in (*own, *SHARED_ENGINE_PARAMETERS):
         assert _keyword_default(HFGenerateEngine.__init__, name) == \
             _default(HFRolloutConfig, name), name
@@ -332,16 +332,19 @@ def test_build_engine_passes_every_hf_option(tiny_tok) -> None:
 
     student = tiny_qwen3(tiny_tok)
     own = {f.name: f.default for f in fields(HFRolloutConfig) if f.name not in SHARED}
-    values = {"batch_size": 3, "greedy": True, "sampler": "inverse_cdf"}
-    assert set(values) == set(own) | SHARED_ENGINE_PARAMETERS
-    conf = HFRolloutConfig(**values)
-    engine = build_engine(conf, student, tiny_tok, max_prompt_length=40,
-                          prompt_truncation="skip", chat_template_kwargs={"x": 1})
-    assert isinstance(engine, HFGenerateEngine) and engine.model is student
-    for name, value in values.items():
-        assert getattr(engine, name) == value != _default(HFRolloutConfig, name), name
-    assert (engine.max_prompt_length, engine.prompt_truncation, engine.chat_template_kwargs) \
-        == (40, "skip", {"x": 1})
+    # static_cache samples through model.generate (multinomial only): a second engine for it
+    settings = [{"batch_size": 3, "greedy": True, "sampler": "inverse_cdf"},
+                {"static_cache": True}]
+    assert set().union(*settings) == set(own) | SHARED_ENGINE_PARAMETERS
+    for values in settings:
+        conf = HFRolloutConfig(**values)
+        engine = build_engine(conf, student, tiny_tok, max_prompt_length=40,
+                              prompt_truncation="skip", chat_template_kwargs={"x": 1})
+        assert isinstance(engine, HFGenerateEngine) and engine.model is student
+        for name, value in values.items():
+            assert getattr(engine, name) == value != _default(HFRolloutConfig, name), name
+        assert (engine.max_prompt_length, engine.prompt_truncation,
+                engine.chat_template_kwargs) == (40, "skip", {"x": 1})
 
 
 def test_build_engine_names_the_registered_engines_on_a_miss() -> None:
