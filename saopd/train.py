@@ -126,7 +126,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
         ) if zero else ([], {})
         progress = progress_callback(conf)
         evals = (_checked("eval", EvalCallback.from_config, conf, plan.folder,
-                          on_evaluated=progress.evaluated if progress else None)
+                          progress=progress)
                  if conf.eval.every_n_steps else None)
         trainer = _checked("trainer", build_trainer, conf, plan.folder, loggers=loggers, callbacks=[
             *([progress] if progress else []), *training_callbacks(conf, engine, plan.folder),

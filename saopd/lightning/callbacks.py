@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -203,16 +204,15 @@ class EvalCallback(L.Callback):
     (0-based, as the ``train/`` metrics), the evaluation before the first step at index -1; the
     per-sample JSONL to ``<out_dir>/eval/step_XXXXXX/`` (``eval/initial/`` before the first
     step). ``results`` keeps every evaluation of this process: step index -> metrics. A resumed
-    run does not repeat the evaluation before the first step. ``on_evaluated(step, metrics,
-    seconds)`` is called after each evaluation (:meth:`ProgressLines.evaluated` prints it).
+    run does not repeat the evaluation before the first step. ``progress``: the run's progress
+    lines, told when each evaluation starts and what it scored (:class:`ProgressLines`).
     """
 
     def __init__(self, every_n_steps: int, problems: dict[str, list[Any]],
                  sampling: SamplingParams, out_dir: str | Path, *, batch_size: int = 8,
                  grade_workers: int | None = None, at_start: bool = False,
                  sampler: str = "multinomial",
-                 on_evaluated: Callable[[int, dict[str, float], float], None] | None = None,
-                 ) -> None:
+                 progress: ProgressLines | None = None) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         for name in problems:  # an unknown name fails now, not at the first evaluation
@@ -225,13 +225,12 @@ class EvalCallback(L.Callback):
         self.grade_workers = grade_workers
         self.at_start = at_start
         self.sampler = sampler
-        self.on_evaluated = on_evaluated
+        self.progress = progress
         self.results: dict[int, dict[str, float]] = {}
 
     @classmethod
     def from_config(cls, conf: TrainConfig, out_dir: str | Path, *,
-                    on_evaluated: Callable[[int, dict[str, float], float], None] | None = None,
-                    ) -> EvalCallback:
+                    progress: ProgressLines | None = None) -> EvalCallback:
         """The run's evaluation (``conf.eval``): its benchmarks loaded now (``ValueError`` or
         ``FileNotFoundError`` for a missing or malformed one), sampled with the run's seed."""
         ev = conf.eval
@@ -240,7 +239,7 @@ class EvalCallback(L.Callback):
         sampling = SamplingParams(n=ev.k, temperature=ev.temperature, top_p=ev.top_p,
                                   max_new_tokens=ev.max_new_tokens, seed=conf.seed)
         return cls(ev.every_n_steps, problems, sampling, out_dir, at_start=ev.at_start,
-                   batch_size=ev.batch_size, sampler=ev.sampler, on_evaluated=on_evaluated)
+                   batch_size=ev.batch_size, sampler=ev.sampler, progress=progress)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.at_start and trainer.global_step == 0:
@@ -255,6 +254,9 @@ class EvalCallback(L.Callback):
 
     def _evaluate(self, trainer: L.Trainer, pl_module: Any, *, step: int, folder: str) -> None:
         started = time.perf_counter()
+        if self.progress is not None:
+            self.progress.evaluating(step, {name: len(p) for name, p in self.problems.items()},
+                                     self.sampling.n)
         contexts = pl_module.contexts
         # HF generate on the module being trained, even when training samples with vLLM: there
         # are no weights to sync, and the engine lives only for this evaluation
@@ -274,8 +276,8 @@ class EvalCallback(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         self.results[step] = metrics
-        if self.on_evaluated is not None:
-            self.on_evaluated(step, metrics, time.perf_counter() - started)
+        if self.progress is not None:
+            self.progress.evaluated(step, metrics, time.perf_counter() - started)
 
 
 def clock_time(seconds: float) -> str:
@@ -298,19 +300,27 @@ class ProgressLines(ProgressBar):
     with the last step's logged ``train/`` metrics that the run has (loss, KL, the filter's FLMR
     and filtered ratio), the wall seconds per step since the previous line and the training time
     left at the run's mean step (evaluations excluded: each has its own line, from
-    :meth:`evaluated`). ``clock``: the time source (seconds)."""
+    :meth:`evaluated`). A step or an evaluation that runs ``still_s`` seconds (30) after the
+    last line gets a line of its own, every ``still_s`` seconds it goes on
+    (``step 5/200 still running (0:30 since the last line)``), so that a slow run and a hung one
+    do not look the same (None: no such lines). ``clock``: the time source (seconds)."""
 
     #: ``train/`` metrics shown, with their names in the line.
     SHOWN = (("train/loss", "loss"), ("train/kl", "kl"), ("train/flmr", "flmr"),
              ("train/filtered_ratio", "filtered"))
 
-    def __init__(self, every_s: float = 10.0, *,
+    def __init__(self, every_s: float = 10.0, *, still_s: float | None = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__()
         if not every_s >= 0:
             raise ValueError(f"every_s must be >= 0 seconds, got {every_s!r}")
+        if still_s is not None and not still_s > 0:
+            raise ValueError(f"still_s must be > 0 seconds or None, got {still_s!r}")
         self.every_s = float(every_s)
+        self.still_s = still_s
         self.clock = clock
+        self._doing = "training"  # what runs now: the step or the evaluation
+        self._stop: threading.Event | None = None  # the watch over long silences, while training
         self.enabled = True
         self._first = 0  # the global step training starts from (0, or a resumed run's)
         self._started = self._last_line = clock()
@@ -331,7 +341,25 @@ class ProgressLines(ProgressBar):
             progress_log.info("%s", line)
             self._last_line = self.clock()
 
+    def _watch(self, stop: threading.Event) -> None:
+        """Until ``stop``: a line when nothing was written for ``still_s`` seconds."""
+        assert self.still_s is not None
+        while not stop.wait(min(1.0, self.still_s / 4)):
+            quiet = self.clock() - self._last_line
+            if quiet >= self.still_s:
+                self.write(f"{self._doing} still running ({clock_time(quiet)} since the last "
+                           "line)")
+
+    def _end_watch(self) -> None:
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop.set()
+
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.enabled and self.still_s is not None and self._stop is None:
+            self._stop = threading.Event()
+            threading.Thread(target=self._watch, args=(self._stop,), daemon=True,
+                             name="saopd-progress").start()
         self._first = trainer.global_step
         self._started = self._last_line = self.clock()
         self._eval_s = 0.0
@@ -340,6 +368,18 @@ class ProgressLines(ProgressBar):
         if total is not None:
             start = f" from step {self._first}" if self._first else ""
             self.write(f"training {total - self._first} steps{start}")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        step = trainer.global_step + 1
+        self._doing = f"step {step}/{total}" if total else f"step {step}"
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self._end_watch()
+
+    def teardown(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
+        self._end_watch()  # also when training stopped on an error
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -364,11 +404,22 @@ class ProgressLines(ProgressBar):
             when += f", ~{clock_time(mean * (total - step))} left"
         self.write(" | ".join([*parts, when]))
 
+    @staticmethod
+    def _eval_name(step: int) -> str:
+        return "eval before training" if step < 0 else f"eval after step {step + 1}"
+
+    def evaluating(self, step: int, problems: dict[str, int], k: int) -> None:
+        """:class:`EvalCallback` starts an evaluation after the 0-based step index ``step``
+        (-1: before the first step) of ``problems`` (benchmark -> problems), ``k`` samples each:
+        what a long one's ``still running`` line names."""
+        sizes = ", ".join(f"{name} {n} x {k}" for name, n in problems.items())
+        self._doing = f"{self._eval_name(step)} ({sizes} samples)"
+
     def evaluated(self, step: int, metrics: dict[str, float], seconds: float) -> None:
-        """An evaluation's line (:class:`EvalCallback`'s ``on_evaluated``): when, its wall time
-        and its scores, e.g. ``eval after step 25 (21.4 s) | arith/avg_at_4 0.4625 | ...``;
-        ``step`` is the 0-based index of the step just taken (-1: before the first step)."""
+        """An evaluation's line (from :class:`EvalCallback`): when, its wall time and its scores,
+        e.g. ``eval after step 25 (21.4 s) | arith/avg_at_4 0.4625 | ...``; ``step`` as in
+        :meth:`evaluating`."""
         self._eval_s += seconds
-        when = "before training" if step < 0 else f"after step {step + 1}"
+        self._doing = "training"
         scores = [f"{key.removeprefix('eval/')} {value:.4g}" for key, value in metrics.items()]
-        self.write(" | ".join([f"eval {when} ({seconds:.1f} s)", *scores]))
+        self.write(" | ".join([f"{self._eval_name(step)} ({seconds:.1f} s)", *scores]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,7 +93,7 @@ def test_lines_after_the_first_step_every_interval_the_last_step_and_each_evalua
     evaluation's 6 s are not a step's), with the time left at the mean step."""
     caplog.set_level(logging.INFO, logger="saopd.progress")
     clock = FakeClock()
-    progress = ProgressLines(10.0, clock=clock)
+    progress = ProgressLines(10.0, still_s=None, clock=clock)
     trainer = _fit(progress, FakeEvaluation(progress, clock, at=3, seconds=6.0), steps=7,
                    module=Regression(clock, step_s=4.0), tmp_path=tmp_path)
     assert trainer.progress_bar_callback is progress  # Lightning's bar is not added
@@ -115,18 +116,62 @@ def test_every_step_at_zero_seconds_and_nothing_when_disabled(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="saopd.progress")
     clock = FakeClock()
-    _fit(ProgressLines(0.0, clock=clock), steps=3, module=Regression(clock, step_s=0.5),
-         tmp_path=tmp_path / "a")
+    _fit(ProgressLines(0.0, still_s=None, clock=clock), steps=3,
+         module=Regression(clock, step_s=0.5), tmp_path=tmp_path / "a")
     assert [line.split(" | ")[0] for line in _lines(caplog)] == [
         "training 3 steps", "step 1/3", "step 2/3", "step 3/3"]
     caplog.clear()
-    quiet = ProgressLines(0.0, clock=clock)
+    quiet = ProgressLines(0.0, clock=clock)  # its watch never starts: disabled
     quiet.disable()  # what Lightning does on every rank but global zero
     _fit(quiet, steps=3, module=Regression(clock, step_s=0.5), tmp_path=tmp_path / "b")
     quiet.evaluated(2, {"eval/arith/avg_at_4": 0.5}, 1.0)
     assert _lines(caplog) == []
     with pytest.raises(ValueError, match="every_s"):
         ProgressLines(-1.0)
+    with pytest.raises(ValueError, match="still_s"):
+        ProgressLines(still_s=0)
+
+
+class SlowStep(Regression):
+    """Steps of ``seconds`` of real time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(FakeClock(), step_s=0.0)
+        self.seconds = seconds
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return super().training_step(batch, batch_idx)
+
+
+class SlowEvaluation(L.Callback):
+    """An evaluation of ``seconds`` before the first step, told to ``progress``."""
+
+    def __init__(self, progress: ProgressLines, seconds: float) -> None:
+        self.progress, self.seconds = progress, seconds
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.progress.evaluating(-1, {"arith": 200}, 4)
+        time.sleep(self.seconds)
+        self.progress.evaluated(-1, {"eval/arith/avg_at_4": 0.5}, self.seconds)
+
+
+def test_a_long_step_or_evaluation_says_it_is_still_running(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Silent stretches longer than ``still_s`` get a line naming what runs; the watch ends
+    with training."""
+    caplog.set_level(logging.INFO, logger="saopd.progress")
+    progress = ProgressLines(100.0, still_s=0.3)
+    _fit(progress, SlowEvaluation(progress, 1.0), steps=2, module=SlowStep(1.0),
+         tmp_path=tmp_path)
+    lines = _lines(caplog)
+    still = [line.split(" still running")[0] for line in lines if " still running (" in line]
+    assert "eval before training (arith 200 x 4 samples)" in still, lines
+    assert "step 1/2" in still and "step 2/2" in still, lines
+    assert lines.index("eval before training (1.0 s) | arith/avg_at_4 0.5") > lines.index(
+        next(line for line in lines if line.startswith("eval before training (arith")))
+    time.sleep(0.8)  # the watch is over: no line after the run's
+    assert _lines(caplog) == lines
 
 
 def test_clock_time() -> None:
@@ -206,7 +251,8 @@ def test_a_testbed_run_shows_its_steps_and_evaluations(make_cfg: Any,
     summary = train(make_cfg("experiment=testbed", "steps=2", "eval.every_n_steps=1",
                              "eval.limit=4", "eval.k=1", "trainer.view_every_n_steps=0",
                              "trainer.progress_bar_every_s=0", mlflow=False))
-    lines = _lines(caplog)
+    # a busy machine may add "still running" lines to a long step: not what is checked here
+    lines = [line for line in _lines(caplog) if " still running (" not in line]
     assert [line.split(" | ")[0].split(" (")[0] for line in lines] == [
         "training 2 steps", "eval before training", "step 1/2", "eval after step 1",
         "step 2/2", "eval after step 2"], lines
