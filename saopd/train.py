@@ -1,6 +1,6 @@
 """``saopd-train``: compose the Hydra config, build everything, train with Lightning.
 
-    saopd-train                                   # the default CPU experiment (smollm2_gsm8k)
+    saopd-train                                   # the default experiment (testbed), on CPU
     saopd-train experiment=tiny                   # random tiny models, < 1 minute
     saopd-train filter=none                       # vanilla OPD on the same setup
     saopd-train filter.beta_max=0.018 seed=1      # SA-OPD with the adaptive FLMR bound
