@@ -81,7 +81,8 @@ def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
     assert not (folder / "mlartifacts").exists() and not list(cwd.iterdir())
 
     report = tmp_path / "report"
-    report_main(["--tracking-uri", url, "-e", "served", "--out", str(report)])
+    report_main(["--tracking-uri", url, "-e", "served", "--out", str(report),
+                 "--log-to", "report"])
     printed = capsys.readouterr().out
     assert "saopd-report: 2 run(s)" in printed
     sources = pd.read_csv(report / "sources.csv")
@@ -90,7 +91,8 @@ def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
                   if line.startswith("| Method"))
     assert "| arith |" in header  # the runs' held-out metric is the table's column
     reports = client.get_experiment_by_name("reports")
-    assert client.search_runs([reports.experiment_id])  # the report run is on the server too
+    assert client.search_runs([reports.experiment_id])  # asked for: the report run is on the
+    # server too
 
 
 def test_sqlite_is_refused_for_launchers_on_several_nodes() -> None:
