@@ -39,6 +39,35 @@ def train_help() -> str:
     return _run("saopd.train", "--help", "steps=7", "trainer.progress_bar=false")
 
 
+@pytest.fixture(scope="module")
+def eval_help() -> str:
+    return _run("saopd.evaluate", "--help", "limit=9")
+
+
+def _shown_groups(help_text: str) -> dict[str, list[str]]:
+    """``group: [choices]`` from the "Configuration groups" section of a ``--help``."""
+    section = help_text.split("== Configuration groups ==", 1)[1].split("\n== ", 1)[0]
+    groups = {}
+    for line in section.splitlines():
+        name, sep, choices = line.partition(": ")
+        if sep and name and " " not in name:
+            groups[name] = choices.split(", ")
+    return groups
+
+
+@pytest.mark.parametrize("which", ["train_help", "eval_help"])
+def test_help_lists_the_engines_and_no_schema(which: str, request: pytest.FixtureRequest
+                                               ) -> None:
+    """Only what can be chosen: every engine of the rollout registry, none of the typed schemas
+    (they are stored outside the groups)."""
+    from saopd.rollout import ENGINES
+
+    groups = _shown_groups(request.getfixturevalue(which))
+    assert groups["rollout"] == ENGINES.names()
+    for name, choices in groups.items():
+        assert not [c for c in choices if c.endswith("_schema")], (name, choices)
+
+
 def test_train_help_fits_one_screen_and_names_groups_launchers_and_root(train_help: str
                                                                          ) -> None:
     lines = train_help.rstrip("\n").splitlines()
@@ -70,8 +99,8 @@ def test_cfg_job_still_prints_the_whole_config() -> None:
         assert key in out, key
 
 
-def test_eval_help_fits_one_screen() -> None:
-    out = _run("saopd.evaluate", "--help", "limit=9")
+def test_eval_help_fits_one_screen(eval_help: str) -> None:
+    out = eval_help
     lines = out.rstrip("\n").splitlines()
     assert len(lines) <= 60, len(lines)
     assert "model: " in out and "rollout: " in out
@@ -81,10 +110,17 @@ def test_eval_help_fits_one_screen() -> None:
     assert not HISTORY.search(out)
 
 
-@pytest.mark.parametrize("module", ["saopd.report", "saopd.serve"])
-def test_argparse_help_names_no_history(module: str) -> None:
-    out = _run(module, "--help")
-    assert out.startswith("usage: saopd-")
+def test_argparse_help_names_no_history(capsys: pytest.CaptureFixture) -> None:
+    from saopd.report import main as report_main
+
+    with pytest.raises(SystemExit) as done:  # in this process: the same parser
+        report_main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: saopd-report")
+    assert not HISTORY.search(out)
+    out = _run("saopd.serve", "--help")  # the thin `python -m saopd.serve` entry point
+    assert out.startswith("usage: saopd-serve")
     assert not HISTORY.search(out)
 
 
