@@ -409,29 +409,9 @@ def test_a_local_ray_cluster_is_refused_when_ray_was_imported_before_the_switch(
     assert lines[1:] == ["switch set: ok"]
 
 
-def test_a_local_ray_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
-    """hydra/launcher=ray_cluster without an address: every listener of the cluster it starts
-    (GCS, raylet, workers, agents) is on loopback (they were on every interface and on the
-    machine's address)."""
-    pytest.importorskip("ray", reason="the Ray launcher is the [ray] extra (make setup has it)")
-    from tests.helpers.net import is_loopback
-
-    listeners = tmp_path / "listeners.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    proc = subprocess.run(
-        [str(TRAIN), "-m", *FAST, "steps=1", "hydra/launcher=ray_cluster",
-         "+hydra.launcher.ray.init.num_cpus=1", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
-         "+hydra.callbacks.listeners._target_=tests.helpers.net.RecordListeners",
-         f"+hydra.callbacks.listeners.path={listeners}"],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = json.loads(listeners.read_text())
-    names = {name for _, _, name in rows}
-    assert "gcs_server" in names and "raylet" in names  # the cluster's own listeners are seen
-    assert [r for r in rows if not is_loopback(r[0])] == []
+# A local cluster's listeners all on loopback: checked on the sweep of
+# tests/integration/test_cluster_launchers.py::test_two_jobs_on_a_local_ray_cluster_listening_on_
+# loopback_only (one Ray cluster for both checks).
 
 
 # ---- a cluster job killed with SIGTERM -------------------------------------------------------

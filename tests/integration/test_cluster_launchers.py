@@ -83,17 +83,32 @@ def test_two_jobs_through_the_slurm_launchers_local_path(tmp_path: Path, server:
     assert not list(elsewhere.iterdir())  # nothing written where it was started
 
 
-def test_two_jobs_on_a_local_ray_cluster(tmp_path: Path, server: str) -> None:
+def test_two_jobs_on_a_local_ray_cluster_listening_on_loopback_only(tmp_path: Path,
+                                                                      server: str) -> None:
+    """The sweep through a local Ray cluster; and, with no address given, every listener of the
+    cluster it starts (GCS, raylet, workers, agents) is on loopback (they were on every
+    interface and on the machine's address: a hostile case, checked on this one cluster)."""
     pytest.importorskip("ray", reason="the Ray launcher is the [ray] extra (make setup has it)")
+    from tests.helpers.net import is_loopback
+
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    listeners = tmp_path / "listeners.json"
+    env = {**ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     proc = subprocess.run(
         _sweep(tmp_path, "hydra/launcher=ray_cluster", "+hydra.launcher.ray.init.num_cpus=2",
-               "steps=1", "filter.p1=0.2,1.5", server=server),
-        cwd=elsewhere, env=ENV, capture_output=True, text=True, timeout=900)
+               "steps=1", "filter.p1=0.2,1.5",
+               "+hydra.callbacks.listeners._target_=tests.helpers.net.RecordListeners",
+               f"+hydra.callbacks.listeners.path={listeners}", server=server),
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=900)
     _check_one_ok_one_failed(tmp_path, proc, server)
     assert "Ray Launcher is launching 2 jobs" in proc.stdout + proc.stderr
     assert not list(elsewhere.iterdir())
+    rows = json.loads(listeners.read_text())
+    names = {name for _, _, name in rows}
+    assert "gcs_server" in names and "raylet" in names  # the cluster's own listeners are seen
+    assert [r for r in rows if not is_loopback(r[0])] == []
 
 
 def _job_process(sweep: Path) -> int | None:
