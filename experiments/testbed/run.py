@@ -396,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                                if saved.exists() else {})
     results["references"] = refs
     every = args.eval_every or int(EVAL["every_n_steps"])
-    launcher = [] if args.jobs <= 1 else [
-        "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}"]
+    launcher = [] if args.jobs <= 1 else [  # no progress lines: they would interleave
+        "hydra/launcher=joblib", f"hydra.launcher.n_jobs={args.jobs}",
+        "trainer.progress_bar=false"]
     for study in args.studies.split(","):
         if not args.skip_train:
             sweep = list(SWEEPS[study][0])

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PATH": f"{BIN}:{os.environ.get('PATH', '')}"}
     if not args.skip_train:
         cmd = [str(BIN / "saopd-train"), "-m", "experiment=testbed", "study=shortcut_oracle",
-               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+               "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+               "trainer.progress_bar=false"]  # parallel jobs' progress lines would interleave
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=REPO, env=env, check=True)
     from saopd.analysis.runs import RunQuery, load_runs, metric_histories, run_seeds

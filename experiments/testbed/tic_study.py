@@ -319,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     _run([str(BIN / "dvc"), "repro", *STAGES])
     refs = references([int(s) for s in args.ref_seeds.split(",")])
+    # parallel jobs: no progress lines (they would interleave in this one console)
     launcher = [] if args.jobs <= 1 else ["hydra/launcher=joblib",
-                                          f"hydra.launcher.n_jobs={args.jobs}"]
+                                          f"hydra.launcher.n_jobs={args.jobs}",
+                                          "trainer.progress_bar=false"]
     for study in args.studies.split(","):
         if not args.skip_train:
             _run([str(BIN / "saopd-train"), "-m", f"experiment={EXPERIMENT}", f"study={study}",
