@@ -1,14 +1,22 @@
-"""A small grid renderer shared by the results and token-statistics tables: one
-format-independent :class:`Grid` of marked :class:`Cell` s, rendered as GitHub Markdown, a
-booktabs LaTeX table or an HTML table (inline CSS, no scripts)."""
+"""The grid shared by the results and token-statistics tables: one format-independent
+:class:`Grid` of marked :class:`Cell` s, turned into one pandas table object
+(:func:`grid_styler`, a :class:`~pandas.io.formats.style.Styler` over the cells' display strings
+with the marks as cell CSS) and rendered by library routines: GitHub Markdown
+(:meth:`DataFrame.to_markdown`, i.e. tabulate), a booktabs LaTeX table
+(:meth:`Styler.to_latex`) or an HTML table (:meth:`Styler.to_html`; inline CSS, no scripts)."""
 
 from __future__ import annotations
 
+import hashlib
 import html
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Cell", "Grid", "Mark", "grid_html", "grid_latex", "grid_markdown", "latex_escape"]
+import pandas as pd
+from pandas.io.formats.style import Styler
+
+__all__ = ["Cell", "Grid", "Mark", "grid_html", "grid_latex", "grid_markdown", "grid_styler",
+           "latex_escape"]
 
 Mark = Literal["", "best", "second"]
 
@@ -29,10 +37,10 @@ class Grid:
         header: column headers, the first one over the row labels.
         rows: cells of each row; the first cell is the row label.
         rules: row indices before which a horizontal rule is drawn (LaTeX ``\\midrule``,
-            HTML ``class="rule"``); Markdown has none.
+            HTML class ``rule``); Markdown has none.
         row_classes: a CSS class per row for HTML (``reference``, ``method``, ``highlight``,
-            ``delta``, ``section``).
-        caption: shown above (HTML, Markdown) or below (LaTeX) the table.
+            ``delta``, ``section``); a ``section`` row shows only its (italic) label.
+        caption: shown above the table.
         notes: lines printed under the table.
     """
 
@@ -44,76 +52,99 @@ class Grid:
     notes: list[str] = field(default_factory=list)
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|")
+# a mark's cell CSS: Styler.to_html keeps it; Styler.to_latex(convert_css=True) turns
+# font-weight into \bfseries and font-style into \itshape, and takes the "--latex" property
+# (which browsers ignore) as the command \underline{...}
+_MARK_CSS = {"best": "font-weight: bold;",
+             "second": "text-decoration: underline; underline: --rwrap --latex;"}
+_SECTION_CSS = "font-style: italic;"
+
+
+def _frames(grid: Grid) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The cells' texts and marks, one row per grid row, columns by position (headers repeat)."""
+    width = len(grid.header)
+    texts, marks = [], []
+    for i, row in enumerate(grid.rows):
+        if grid.row_classes and grid.row_classes[i] == "section":
+            row = [Cell(row[0].text)] + [Cell("")] * (width - 1)
+        texts.append([c.text for c in row])
+        marks.append([c.mark for c in row])
+    return pd.DataFrame(texts, columns=range(width)), pd.DataFrame(marks, columns=range(width))
+
+
+def _sections(grid: Grid) -> list[int]:
+    return [i for i, c in enumerate(grid.row_classes) if c == "section"]
+
+
+def grid_styler(grid: Grid) -> Styler:
+    """The grid as one pandas ``Styler``: the cells' texts (its ``data``), the marks as cell CSS,
+    the row classes (and ``rule``) as ``<td>`` classes, the headers in bold, no index. Each
+    renderer below adds its own escaping (``Styler.format``) and caption."""
+    texts, marks = _frames(grid)
+    css = marks.map(lambda m: _MARK_CSS.get(m, ""))
+    for i in _sections(grid):
+        css.iloc[i, 0] = _SECTION_CSS
+    classes = pd.DataFrame("", index=texts.index, columns=texts.columns)
+    for i in range(len(grid.rows)):
+        names = [grid.row_classes[i]] if grid.row_classes else []
+        names += ["rule"] if i in grid.rules and i > 0 else []
+        classes.iloc[i, :] = " ".join(names)
+    # ids (and so the CSS of the marks) that differ between tables and repeat between runs
+    uuid = hashlib.blake2s(repr((grid.header, grid.rows)).encode(), digest_size=4).hexdigest()
+    return (texts.style.hide(axis="index").set_uuid(uuid)
+            .set_table_attributes('class="results"')
+            .apply(lambda _: css, axis=None).set_td_classes(classes)
+            .map_index(lambda _: "font-weight: bold;", axis="columns"))
 
 
 def grid_markdown(grid: Grid) -> str:
-    """GitHub Markdown: bold as ``**x**``, underline as ``<u>x</u>`` (Markdown has none)."""
-    def cell(c: Cell) -> str:
-        t = _md_escape(c.text)
-        if c.mark == "best":
-            return f"**{t}**"
-        if c.mark == "second":
-            return f"<u>{t}</u>"
-        return t
-
-    lines = []
-    if grid.caption:
-        lines += [grid.caption, ""]
-    lines.append("| " + " | ".join(_md_escape(h) for h in grid.header) + " |")
-    lines.append("|" + "|".join([":---"] + ["---:"] * (len(grid.header) - 1)) + "|")
-    for i, row in enumerate(grid.rows):
-        cells = [cell(c) for c in row]
-        if grid.row_classes and grid.row_classes[i] == "section":
-            cells = [f"*{cells[0]}*"] + [""] * (len(grid.header) - 1)
-        lines.append("| " + " | ".join(cells) + " |")
+    """GitHub Markdown (tabulate's ``pipe`` format): bold as ``**x**``, underline as
+    ``<u>x</u>`` (Markdown has none), a section row as its ``*label*``; ``|`` is escaped."""
+    texts, marks = _frames(grid)
+    cells = texts.map(lambda t: t.replace("|", "\\|"))
+    cells = cells.mask(marks == "best", "**" + cells + "**")
+    cells = cells.mask(marks == "second", "<u>" + cells + "</u>")
+    for i in _sections(grid):
+        cells.iloc[i, 0] = f"*{cells.iloc[i, 0]}*"
+    table = cells.to_markdown(index=False, headers=[h.replace("|", "\\|") for h in grid.header],
+                              colalign=["left"] + ["right"] * (len(grid.header) - 1),
+                              disable_numparse=True)
+    lines = [grid.caption, ""] if grid.caption else []
+    lines.append(table)
     if grid.notes:
-        lines.append("")
-        lines += [f"{n}  " for n in grid.notes]
+        lines += [""] + [f"{n}  " for n in grid.notes]
     return "\n".join(lines) + "\n"
 
 
 _LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
                   "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}",
-                  "^": r"\textasciicircum{}", "±": r"$\pm$", "Δ": r"$\Delta$", "–": "--"}
+                  "^": r"\textasciicircum{}", "±": r"$\pm$", "Δ": r"$\Delta$", "–": "--",
+                  "\n": " "}
 
 
 def latex_escape(text: str) -> str:
-    """Escape LaTeX's special characters (``±`` and ``Δ`` become math)."""
+    """Escape LaTeX's special characters (``±`` and ``Δ`` become math, which pandas' own
+    ``escape="latex"`` leaves as they are)."""
     return "".join(_LATEX_SPECIAL.get(ch, ch) for ch in text)
 
 
 def grid_latex(grid: Grid, *, label: str | None = None) -> str:
-    """A booktabs ``table`` (``\\usepackage{booktabs}``): ``\\textbf`` / ``\\underline``."""
-    def cell(c: Cell) -> str:
-        t = latex_escape(c.text)
-        if c.mark == "best":
-            return rf"\textbf{{{t}}}"
-        if c.mark == "second":
-            return rf"\underline{{{t}}}"
-        return t
-
-    cols = "l" + "c" * (len(grid.header) - 1)
-    lines = [r"\begin{table}[t]", r"\centering", rf"\begin{{tabular}}{{{cols}}}", r"\toprule",
-             " & ".join(rf"\textbf{{{latex_escape(h)}}}" for h in grid.header) + r" \\",
-             r"\midrule"]
-    for i, row in enumerate(grid.rows):
-        if i in grid.rules and i > 0:
-            lines.append(r"\midrule")
-        if grid.row_classes and grid.row_classes[i] == "section":
-            lines.append(rf"\multicolumn{{{len(grid.header)}}}{{l}}"
-                         rf"{{\textit{{{latex_escape(row[0].text)}}}}} \\")
-            continue
-        lines.append(" & ".join(cell(c) for c in row) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+    """A booktabs ``table`` (``\\usepackage{booktabs}``) from ``Styler.to_latex``: bold as
+    ``\\bfseries``, underline as ``\\underline``, ``\\midrule`` before the grid's rules."""
+    styler = (grid_styler(grid).format(latex_escape)
+              .format_index(lambda i: latex_escape(grid.header[i]), axis="columns"))
     if grid.caption:
-        lines.append(rf"\caption{{{latex_escape(grid.caption)}}}")
-    if label:
-        lines.append(rf"\label{{{label}}}")
-    lines.append(r"\end{table}")
-    for note in grid.notes:
-        lines.append(f"% {note}")
+        styler.set_caption(latex_escape(grid.caption))
+    tex = styler.to_latex(convert_css=True, hrules=True, environment="table", position="t",
+                          position_float="centering", label=label,
+                          column_format="l" + "c" * (len(grid.header) - 1))
+    # Styler draws booktabs rules only around the header and body: a rule between groups of
+    # rows goes before that row's line (one line per row: latex_escape removes newlines)
+    lines = tex.splitlines()
+    body = lines.index(r"\midrule") + 1
+    for i in sorted((i for i in grid.rules if i > 0), reverse=True):
+        lines.insert(body + i, r"\midrule")
+    lines += [f"% {note}" for note in grid.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -125,49 +156,26 @@ table.results th,table.results td{padding:.25em .7em;text-align:center;white-spa
 table.results th:first-child,table.results td:first-child{text-align:left}
 table.results thead th{border-top:2px solid #222;border-bottom:1px solid #222}
 table.results tbody tr:last-child td{border-bottom:2px solid #222}
-table.results tr.rule td{border-top:1px solid #222}
-table.results tr.highlight td{background:#dcebff}
-table.results tr.reference td{color:#555}
-table.results tr.delta td{font-size:.9em;color:#333}
-table.results tr.section td{font-style:italic;background:#f2f2f2}
-table.results u{text-decoration-thickness:1px;text-underline-offset:2px}
+table.results td.rule{border-top:1px solid #222}
+table.results td.highlight{background:#dcebff}
+table.results td.reference{color:#555}
+table.results td.delta{font-size:.9em;color:#333}
+table.results td.section{background:#f2f2f2}
+table.results td{text-decoration-thickness:1px;text-underline-offset:2px}
 p.note{color:#555;font-size:.85em;margin:.2em 0}
 """
 
 
 def grid_html(grid: Grid, *, title: str | None = None, standalone: bool = True) -> str:
-    """An HTML ``<table class="results">`` (``<b>`` / ``<u>`` marks), inline CSS, no scripts;
-    ``standalone`` wraps it in a complete page. Every text is escaped."""
-    def cell(c: Cell, tag: str) -> str:
-        t = html.escape(c.text)
-        if c.mark == "best":
-            t = f"<b>{t}</b>"
-        elif c.mark == "second":
-            t = f"<u>{t}</u>"
-        return f"<{tag}>{t}</{tag}>"
-
-    parts = ['<table class="results">']
+    """An HTML ``<table class="results">`` from ``Styler.to_html``: marks as cell CSS
+    (``font-weight: bold``, ``text-decoration: underline``), row classes on the ``<td>`` s, no
+    scripts; ``standalone`` wraps it in a complete page. Every text is escaped."""
+    styler = (grid_styler(grid).format(escape="html")
+              .format_index(lambda i: html.escape(grid.header[i]), axis="columns"))
     if grid.caption:
-        parts.append(f"<caption>{html.escape(grid.caption)}</caption>")
-    parts.append("<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in grid.header)
-                 + "</tr></thead>")
-    parts.append("<tbody>")
-    for i, row in enumerate(grid.rows):
-        classes = []
-        if grid.row_classes:
-            classes.append(grid.row_classes[i])
-        if i in grid.rules and i > 0:
-            classes.append("rule")
-        attr = f' class="{" ".join(classes)}"' if classes else ""
-        if grid.row_classes and grid.row_classes[i] == "section":
-            parts.append(f'<tr{attr}><td colspan="{len(grid.header)}">'
-                         f"{html.escape(row[0].text)}</td></tr>")
-            continue
-        parts.append(f"<tr{attr}>" + cell(row[0], "td")
-                     + "".join(cell(c, "td") for c in row[1:]) + "</tr>")
-    parts.append("</tbody></table>")
-    parts += [f'<p class="note">{html.escape(n)}</p>' for n in grid.notes]
-    table = "\n".join(parts)
+        styler.set_caption(html.escape(grid.caption))
+    table = styler.to_html().strip()
+    table += "".join(f'\n<p class="note">{html.escape(n)}</p>' for n in grid.notes)
     if not standalone:
         return table + "\n"
     head_title = html.escape(title or grid.caption or "saopd report")

@@ -331,8 +331,8 @@ def token_statistics(tokens: pd.DataFrame | Iterable[TokenRow]) -> pd.DataFrame:
 
 
 def token_statistics_grid(stats: pd.DataFrame, *, caption: str | None = None) -> Grid:
-    """Table 4 (from :func:`token_statistics`) as a :class:`~saopd.analysis.tables.Grid`, for
-    :func:`~saopd.analysis.tables.grid_markdown`, ``grid_latex`` or ``grid_html``."""
+    """Table 4 (from :func:`token_statistics`) as a :class:`~saopd.analysis.grid.Grid`, for
+    :func:`~saopd.analysis.grid.grid_markdown`, ``grid_latex`` or ``grid_html``."""
     def pct(x: float) -> str:
         return "–" if pd.isna(x) else f"{100 * x:.1f}%"
 

@@ -17,6 +17,7 @@ from saopd.analysis.tables import (
     results_table,
     t_quantile_975,
 )
+from tests.analysis.rendered import html_rows, md_rows
 
 M1, M2 = "eval/math500/avg_at_1", "eval/aime24/avg_at_8"
 COLUMNS = {M1: "Math500", M2: "AIME24"}
@@ -92,19 +93,22 @@ def test_bold_and_underline_with_ties_among_methods_only() -> None:
     assert marks.at["SA-OPD", "AIME24"] == marks.at["TIP", "AIME24"] == "second"
 
     md = table.to_markdown()
-    sa = next(line for line in md.splitlines() if line.startswith("| SA-OPD |"))
-    cells = [c.strip() for c in sa.strip("|").split("|")]
+    rows = md_rows(md)
+    cells = rows["SA-OPD"]
     assert cells[1].startswith("**68.3 ± ") and cells[2].startswith("<u>13.0 ± ")
     gain = statistics.mean(_avg("SA-OPD")) - statistics.mean(_avg("OPD"))
     assert cells[4] == f"{gain:+.1f}"
-    assert f"| Δ over OPD | {table.delta['Math500']:+.1f} |" in md
-    assert md.index("| Student |") < md.index("| OPD |") < md.index("| SA-OPD |")
+    assert rows["Δ over OPD"][1] == f"{table.delta['Math500']:+.1f}"
+    assert list(rows).index("Student") < list(rows).index("OPD") < list(rows).index("SA-OPD")
 
     tex = table.to_latex()
-    assert re.search(r"ExOPD & 65\.0 & \\textbf\{14\.0\}", tex)
+    assert re.search(r"ExOPD & 65\.0 & \\bfseries 14\.0", tex)
     assert r"\underline{68.0}" in tex and r"$\pm$" in tex and r"$\Delta$ over OPD" in tex
     page = table.to_html()
-    assert "<b>68.3 ± " in page and "<u>68.0</u>" in page and 'class="highlight' in page
+    cells = html_rows(page)["SA-OPD"]
+    assert cells[1][0].startswith("68.3 ± ") and "font-weight: bold" in cells[1][1]
+    assert "text-decoration: underline" in html_rows(page)["TIP"][1][1]
+    assert re.search(r'<td [^>]*class="[^"]*highlight', page)
     assert "standard deviation" in page
 
 
@@ -116,7 +120,8 @@ def test_missing_benchmark_leaves_avg_empty_and_says_why() -> None:
     assert table.mean.at["SA-OPD", "AIME24"] == pytest.approx(100 * (0.12 + 0.13) / 2)
     assert any("s1" in n and "AIME24" in n for n in table.notes)
     assert math.isnan(table.gain["SA-OPD"])
-    assert "| SA-OPD | **" in table.to_markdown() and " – " in table.to_markdown()
+    rows = md_rows(table.to_markdown())
+    assert rows["SA-OPD"][1].startswith("**") and "–" in rows["SA-OPD"]
 
 
 def test_no_baseline_means_no_gain_column() -> None:

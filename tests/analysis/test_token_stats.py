@@ -25,6 +25,7 @@ from saopd.analysis.token_stats import (
     top_tokens,
 )
 from saopd.analysis.token_view import TokenRow
+from tests.analysis.rendered import md_rows
 
 # idx  token     category  key     seen before  bigram   trigram  unit in prompt
 #  0   Let       template  let                                    no  (let's)
@@ -129,10 +130,13 @@ def test_rendered_table4_shows_counts_and_percentages() -> None:
     stats = token_statistics([_row()])
     md = render_token_statistics(stats, "markdown")
     n_f = len(FILTERED)
-    assert f"| Content word | 3 | {100 * 3 / n_f:.1f}% |" in md
-    assert "| Token seen before in the response | 2 |" in md
+    rows = md_rows(md)
+    assert rows["Content word"][1:3] == ["3", f"{100 * 3 / n_f:.1f}%"]
+    assert rows["Token seen before in the response"][1] == "2"
+    assert rows["*Content tokens*"][1:] == ["", "", "", ""]  # a section row: its label only
     tex = render_token_statistics(stats, "latex")
     assert r"\toprule" in tex and r"Content word & 3 & 50.0\% &" in tex
+    assert r"\itshape Content tokens" in tex
     page = render_token_statistics(stats, "html")
     assert "<table" in page and "Reasoning-template word" in page
     with pytest.raises(ValueError, match="format"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from PIL import Image
 
 from saopd.analysis.tables import results_table
+from tests.analysis.rendered import html_cells
 
 CHROMIUM = shutil.which("chromium") or (
     "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
@@ -47,54 +47,19 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-class _Rows(HTMLParser):
-    """Cell texts of each <tr> of table.results, and which cells are bold."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self.bold: list[tuple[int, int]] = []
-        self._in_table = False
-        self._cell: list[str] | None = None
-        self._b = False
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "table" and ("class", "results") in attrs:
-            self._in_table = True
-        elif self._in_table and tag == "tr":
-            self.rows.append([])
-        elif self._in_table and tag in ("td", "th"):
-            self._cell = []
-        elif tag == "b" and self._cell is not None:
-            self._b = True
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag == "table":
-            self._in_table = False
-        elif tag in ("td", "th") and self._cell is not None:
-            if self._b:
-                self.bold.append((len(self.rows) - 1, len(self.rows[-1])))
-            self.rows[-1].append("".join(self._cell).strip())
-            self._cell, self._b = None, False
-
-    def handle_data(self, data: str) -> None:
-        if self._cell is not None:
-            self._cell.append(data)
-
-
 def test_dom_holds_the_table_rows(page: Path, tmp_path: Path) -> None:
     dom = _chromium(tmp_path, "--dump-dom", page.as_uri()).stdout
-    parser = _Rows()
-    parser.feed(dom)
-    header, *rows = parser.rows
-    assert header[:4] == ["Method", "Math500", "AIME24", "Avg."]
-    names = [r[0] for r in rows]
+    header, *rows = html_cells(dom)  # (text, the CSS of the cell's id) per cell
+    assert [t for t, _ in header[:4]] == ["Method", "Math500", "AIME24", "Avg."]
+    names = [r[0][0] for r in rows]
     assert names[:len(METHODS)] == ["OPD", "ExOPD", "TIP", "SA-OPD"]
     sa = rows[names.index("SA-OPD")]
-    assert sa[1] == f"{100 * METHODS['SA-OPD'][0]:.1f}"
+    assert sa[1][0] == f"{100 * METHODS['SA-OPD'][0]:.1f}"
     # SA-OPD is best on every column here: its benchmark and Avg. cells are the bold ones
-    i = 1 + names.index("SA-OPD")
-    assert {(i, 1), (i, 2), (i, 3)} <= set(parser.bold)
+    bold = {(i, j) for i, row in enumerate(rows) for j, (_, css) in enumerate(row)
+            if "font-weight: bold" in css}
+    i = names.index("SA-OPD")
+    assert {(i, 1), (i, 2), (i, 3)} <= bold and all(r == i for r, _ in bold)
     assert "Δ over OPD" in names
 
 

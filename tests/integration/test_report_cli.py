@@ -18,6 +18,7 @@ from saopd.analysis.runs import (
     resolve_tracking_uri,
 )
 from saopd.report import main
+from tests.analysis.rendered import md_rows
 from tests.helpers.report_store import (
     DEAD_SCORES,
     DUP_SCORES,
@@ -45,8 +46,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
 
 
 def _cells(markdown: str, row: str) -> list[str]:
-    line = next(ln for ln in markdown.splitlines() if ln.startswith(f"| {row} |"))
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    return md_rows(markdown)[row]
 
 
 def _value(cell: str) -> str:
@@ -151,8 +151,8 @@ def test_cli_end_to_end(store: Store, tmp_path: Path, capsys: pytest.CaptureFixt
     assert sources.loc[sources["run_id"] == store.student_run, "label"].item() == "Student"
 
     stats_md = (out / "token_statistics_sa-opd.md").read_text()
-    assert "| Content word | 1 | 50.0% |" in stats_md  # " cat" of 2 filtered tokens
-    assert "| Punctuation / format | 1 | 50.0% |" in stats_md
+    assert _cells(stats_md, "Content word")[1:3] == ["1", "50.0%"]  # " cat" of 2 filtered
+    assert _cells(stats_md, "Punctuation / format")[1:3] == ["1", "50.0%"]
 
     client = MlflowClient(store.uri)
     exp = client.get_experiment_by_name("reports")
