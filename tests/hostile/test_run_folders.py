@@ -302,7 +302,8 @@ def test_a_nan_score_is_missing_and_its_seed_is_not_counted() -> None:
     assert table.mean.at["SA-OPD", "GSM8K"] == pytest.approx(60.0)
     # the CI of two values: t(0.975, 1) * std / sqrt(2) = 12.706 * 14.142 / 1.414
     assert table.spread.at["SA-OPD", "GSM8K"] == pytest.approx(127.06, rel=1e-3)
-    assert any("r2 (SA-OPD) lacks GSM8K (not logged, or NaN)" in n for n in table.notes)
+    assert any("1 of 4 runs lack GSM8K (not logged, or NaN): SA-OPD (r2)" in n
+               for n in table.notes)
     out = paired_recovery({"OPD": {"0": 0.4, "1": 0.4, "2": 0.5},
                            "SA-OPD": {"0": 0.5, "1": float("nan"), "2": 0.6},
                            "control": {"0": 0.6, "1": 0.6, "2": 0.7}},
