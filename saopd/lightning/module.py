@@ -40,6 +40,9 @@ from saopd.lightning.metrics import TrainMetrics
 from saopd.models.factory import ModelPair
 from saopd.models.sharding import (
     enable_activation_checkpointing,
+    is_meta,
+    materialize_sharded,
+    mesh_device,
     no_backward_sync,
     shard_model,
 )
@@ -163,15 +166,22 @@ class OPDModule(L.LightningModule):
         """Activation checkpointing; under ``ModelParallelStrategy`` FSDP2-shard each model.
 
         Student, teacher and reference are sharded separately (one ``fully_shard`` per decoder
-        layer and per root), the frozen ones resharded after every forward.
+        layer and per root), the frozen ones resharded after every forward. Models built on the
+        meta device (``trainer.strategy=fsdp``: :func:`saopd.models.factory.load_device`) are
+        then allocated shard by shard on this rank's device and filled from rank 0's build
+        (:func:`~saopd.models.sharding.materialize_sharded`).
         """
         if getattr(self, "_configured", False):
             return
         self._configured = True
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.student)
+        models = [m for m in (self.student, self.teacher, self.reference) if m is not None]
         mesh = self._device_mesh
         if mesh is None:
+            if any(is_meta(m) for m in models):
+                raise ValueError("models built on the meta device need trainer.strategy=fsdp, "
+                                 "which fills them after sharding")
             return
         dp_mesh = mesh["data_parallel"]
         if mesh.size() != dp_mesh.size():
@@ -182,6 +192,9 @@ class OPDModule(L.LightningModule):
             if frozen is not None:
                 shard_model(frozen, dp_mesh, mixed_precision=self.fsdp_mixed_precision,
                             frozen=True)
+        for model in models:
+            if is_meta(model):
+                materialize_sharded(model, mesh_device(dp_mesh))
 
     def configure_optimizers(self) -> Any:
         cfg = self.optim_cfg

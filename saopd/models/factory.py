@@ -4,10 +4,12 @@ entry (``conf/model/*.yaml``)."""
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,8 +20,9 @@ import torch
 from saopd.config.model import TINY_VLM_KINDS, ModelConfig
 from saopd.config.run import TrainerConfig
 from saopd.config.train import TrainConfig
-from saopd.models.loading import load_causal_lm, load_tokenizer, resolve_source
+from saopd.models.loading import load_causal_lm, load_tokenizer, meta_causal_lm, resolve_source
 from saopd.models.pruning import prune_layers
+from saopd.models.sharding import defer_weights
 from saopd.models.tiny import tiny_llama, tiny_qwen3, tiny_tokenizer
 from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
 from saopd.models.vlm import (
@@ -45,12 +48,13 @@ MODEL_WRAPPERS: Registry[Callable[..., Any]] = Registry("model wrapper")
 def load_device(trainer: TrainerConfig) -> torch.device | None:
     """Where a run's text models are loaded: this process's GPU (``cuda:LOCAL_RANK``, or the
     ``LOCAL_RANK``-th of a ``trainer.devices`` list) when the trainer runs on GPUs with whole
-    models per process (one GPU, DDP) and CUDA is available; None (the CPU, Lightning moves the
-    models later) on CPU and under ``trainer.strategy=fsdp``, whose sharding starts from the
-    CPU copy."""
-    if trainer.strategy == "fsdp" or not torch.cuda.is_available():
-        return None
-    if trainer.accelerator not in ("gpu", "cuda", "auto"):
+    models per process (one GPU, DDP) and CUDA is available; the ``meta`` device under
+    ``trainer.strategy=fsdp`` (built empty, sharded, then each rank fills its own shards:
+    :func:`saopd.models.sharding.materialize_sharded`); None (the CPU, Lightning moves the
+    models later) on CPU otherwise."""
+    if trainer.strategy == "fsdp":
+        return torch.device("meta")
+    if not torch.cuda.is_available() or trainer.accelerator not in ("gpu", "cuda", "auto"):
         return None
     local = int(os.environ.get("LOCAL_RANK", "0"))
     devices = trainer.devices
@@ -59,32 +63,62 @@ def load_device(trainer: TrainerConfig) -> torch.device | None:
     return torch.device("cuda", local)
 
 
+def builds_on_meta(cfg: ModelConfig) -> bool:
+    """True if :func:`build_model` can build ``cfg`` on the meta device: text models, tiny or
+    from an HF folder / hub id, pruned or not (a GGUF file, a vision-language model or a
+    testbed's wrapped model is built on the CPU)."""
+    if cfg.is_vision or cfg.planted is not None or cfg.tic is not None:
+        return False
+    return cfg.tiny is not None or not str(cfg.name_or_path).lower().endswith(".gguf")
+
+
+def full_model(cfg: ModelConfig) -> PreTrainedModel:
+    """``cfg``'s model with its weights, on the CPU: what :func:`build_model` builds without a
+    device (rank 0's copy for a meta-device model, :func:`saopd.models.sharding.defer_weights`)."""
+    return build_model(cfg)[0]
+
+
 def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None
                 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load or build the model (eval mode) and its tokenizer, pruning layers if asked.
 
     ``device``: a hub / folder model is loaded straight onto it in ``cfg.dtype``
     (:func:`~saopd.models.loading.load_causal_lm`), a tiny one moved there once built; None =
-    the CPU. For a vision-language config this returns the model and its processor's
-    tokenizer (on the CPU); use :func:`build_vlm` when the processor is needed (prompts with
-    images).
+    the CPU. ``meta``: the model's structure only, no memory
+    (:func:`~saopd.models.loading.meta_causal_lm`, or the tiny model built under the meta
+    device), marked to be filled after FSDP sharding from :func:`full_model`
+    (:func:`~saopd.models.sharding.defer_weights`); a config that cannot be built there
+    (:func:`builds_on_meta`) is built on the CPU. For a vision-language config this returns the
+    model and its processor's tokenizer (on the CPU); use :func:`build_vlm` when the processor
+    is needed (prompts with images).
     """
     if cfg.is_vision:
         model, processor = build_vlm(cfg)
         return model, processor.tokenizer
+    meta = device is not None and torch.device(device).type == "meta"
+    if meta and not builds_on_meta(cfg):
+        meta, device = False, None
     if cfg.tiny is not None:
         tokenizer = tiny_tokenizer()
         make = tiny_qwen3 if cfg.tiny == "qwen3" else tiny_llama
-        model = make(tokenizer, layers=cfg.tiny_layers, hidden=cfg.tiny_hidden, seed=cfg.seed)
-        if device is not None:
+        with torch.device("meta") if meta else nullcontext():
+            model = make(tokenizer, layers=cfg.tiny_layers, hidden=cfg.tiny_hidden,
+                         seed=cfg.seed)
+        if device is not None and not meta:
             model = model.to(device)
     else:
         assert cfg.name_or_path is not None
-        model = load_causal_lm(cfg.name_or_path, dtype=cfg.dtype,
-                               trust_remote_code=cfg.trust_remote_code, revision=cfg.revision,
-                               device=device)
+        if meta:
+            model = meta_causal_lm(cfg.name_or_path, dtype=cfg.dtype,
+                                   trust_remote_code=cfg.trust_remote_code, revision=cfg.revision)
+        else:
+            model = load_causal_lm(cfg.name_or_path, dtype=cfg.dtype,
+                                   trust_remote_code=cfg.trust_remote_code,
+                                   revision=cfg.revision, device=device)
         tokenizer = load_tokenizer(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code,
                                    revision=cfg.revision)
+    if meta:
+        defer_weights(model, functools.partial(full_model, cfg))
     if cfg.prune_every is not None or cfg.prune_keep is not None:
         model = prune_layers(model, keep=cfg.prune_keep, every=cfg.prune_every)
     for block in ("planted", "tic"):
@@ -344,10 +378,18 @@ def build_models(conf: TrainConfig) -> ModelPair:
     Text models are loaded straight onto the run's GPU (:func:`load_device`), except next to an
     in-process vLLM engine (``rollout=vllm``, ``teacher_scoring=vllm``), which sizes its memory
     from the GPU's free memory when it starts: there they load on the CPU and Lightning moves
-    them once the engine holds its share."""
+    them once the engine holds its share. Under ``trainer.strategy=fsdp`` with ``rollout=hf``
+    they are built on the meta device (:func:`load_device`) and filled shard by shard when the
+    module is sharded (:meth:`saopd.lightning.module.OPDModule.configure_model`); another
+    rollout engine keeps them on the CPU, as it copies the student's weights when built."""
     ts = conf.teacher_scoring
     engine = getattr(conf.rollout, "engine", None)
-    device = None if "vllm" in (engine, ts.backend) else load_device(conf.trainer)
+    device = load_device(conf.trainer)
+    if device is not None and device.type == "meta":
+        if engine != "hf":  # an engine with its own copy reads the student's weights when built
+            device = None
+    elif "vllm" in (engine, ts.backend):
+        device = None
     if ts.backend == "hf":
         return build_pair(conf.student, conf.teacher,
                           chat_template_kwargs=conf.data.chat_template_kwargs,

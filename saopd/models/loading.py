@@ -36,6 +36,7 @@ __all__ = [
     "init_causal_lm",
     "load_causal_lm",
     "load_tokenizer",
+    "meta_causal_lm",
     "resolve_dtype",
 ]
 
@@ -245,17 +246,49 @@ def init_causal_lm(
     once, in its final dtype and place (no float32 model built first and then cast, no CPU copy
     moved afterwards), so peak memory is about the model's bytes. Weights are drawn from
     transformers' own initialisation after ``torch.manual_seed(seed)`` (on a GPU the stream
-    differs from the CPU's for the same seed).
+    differs from the CPU's for the same seed). ``device="meta"`` builds the structure only
+    (shapes and dtypes, no memory, nothing drawn: the global RNG is left alone), for FSDP's
+    meta-device initialisation (:func:`saopd.models.sharding.materialize_sharded`).
     """
     from transformers import AutoModelForCausalLM
 
     resolved = resolve_dtype(dtype)
     if not isinstance(resolved, torch.dtype):
         raise ValueError("init_causal_lm needs an explicit dtype, not 'auto'")
-    torch.manual_seed(seed)
-    with torch.device(torch.device(device) if device is not None else "cpu"):
+    place = torch.device(device) if device is not None else torch.device("cpu")
+    if place.type != "meta":
+        torch.manual_seed(seed)
+    with place:
         model = AutoModelForCausalLM.from_config(config, dtype=resolved)
     return model.eval()
+
+
+def meta_causal_lm(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+) -> PreTrainedModel:
+    """The model :func:`load_causal_lm` loads from ``name_or_path``, built on the ``meta``
+    device from its config alone (every tensor with its shape and dtype, none allocated, no
+    weights read): each FSDP rank's skeleton before sharding. ``dtype="auto"`` takes the
+    config's ``dtype`` (float32 when it names none); a checkpoint stored in another dtype then
+    differs from the loaded model, which :func:`saopd.models.sharding.materialize_sharded`
+    reports. GGUF files are refused (``ValueError``): their config comes from the file."""
+    from transformers import AutoConfig
+
+    source = resolve_source(name_or_path, None, kind="model")
+    if source.gguf_file is not None:
+        raise ValueError(f"meta_causal_lm cannot build a GGUF model ({name_or_path!s})")
+    config = from_pretrained(AutoConfig, source, ("config.json",), revision,
+                             trust_remote_code=trust_remote_code)
+    resolved = resolve_dtype(dtype)
+    if not isinstance(resolved, torch.dtype):
+        named = getattr(config, "dtype", None)
+        resolved = resolve_dtype(named) if isinstance(named, (str, torch.dtype)) else "float32"
+        resolved = resolved if isinstance(resolved, torch.dtype) else torch.float32
+    return init_causal_lm(config, dtype=resolved, device="meta")
 
 
 def load_tokenizer(

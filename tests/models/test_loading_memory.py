@@ -91,8 +91,8 @@ def _measure_save(folder) -> dict:
 
 
 def test_load_device_follows_the_trainer(monkeypatch):
-    """The run's GPU for one-process and DDP GPU runs, None on CPU, under FSDP and without
-    CUDA."""
+    """The run's GPU for one-process and DDP GPU runs, None on CPU and without CUDA, the meta
+    device under FSDP."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     gpu = TrainerConfig(accelerator="gpu", precision="bf16-mixed")
     cpu = TrainerConfig()
@@ -101,7 +101,9 @@ def test_load_device_follows_the_trainer(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert load_device(cpu) is None
     assert load_device(gpu) == torch.device("cuda", 0)
-    assert load_device(TrainerConfig(accelerator="gpu", strategy="fsdp", devices=2)) is None
+    # FSDP: built on the meta device, filled shard by shard after sharding (test_meta_init.py)
+    assert load_device(TrainerConfig(accelerator="gpu", strategy="fsdp", devices=2)) == \
+        torch.device("meta")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert load_device(TrainerConfig(accelerator="gpu", strategy="ddp", devices=2)) == \
         torch.device("cuda", 1)
