@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from saopd.signals import TokenSignals
 from saopd.train import CONF_DIR
+from tests.helpers.mlflow_store import sqlite_store
 
 # pytest -n N: N worker processes share the machine's cores. torch's default of one OpenMP
 # thread per core then oversubscribes them, and spinning OpenMP threads of competing processes
@@ -147,7 +148,8 @@ REPO = Path(CONF_DIR).parent
 
 def compose_train(tmp: Path, *overrides: str, mlflow: bool = True) -> DictConfig:
     base = [f"paths.root={REPO}", f"paths.output_dir={tmp / 'run'}"]
-    base.append(f"logger.tracking_uri=sqlite:///{tmp / 'mlflow.db'}" if mlflow else "logger=none")
+    base.append(f"logger.tracking_uri={sqlite_store(tmp / 'mlflow.db')}" if mlflow
+                else "logger=none")
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("train", overrides=[*base, *overrides])
 

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from saopd.sweeps import read_jobs
 from saopd.train import CONF_DIR
 from tests.conftest import REPO
+from tests.helpers.mlflow_store import sqlite_store
 
 STUDIES = {
     "ablation_filters": {"method": "opd,random,divergence_only,ig_only,proxy_replacement,sa_opd"},
@@ -65,7 +66,7 @@ def test_failed_job_is_recorded_and_the_parallel_sweep_goes_on(tmp_path: Path) -
     cmd = [sys.executable, "-m", "saopd.train", "-m", "hydra/launcher=joblib",
            "hydra.launcher.n_jobs=2", "study=p1p2_grid", "experiment=tiny", "steps=1", "seed=0",
            "filter.p1=0.5,1.5", "filter.p2=0.3", "eval.limit=2", "eval.max_new_tokens=4",
-           f"hydra.sweep.dir={sweep}", f"logger.tracking_uri=sqlite:///{db}",
+           f"hydra.sweep.dir={sweep}", f"logger.tracking_uri={sqlite_store(db)}",
            f"paths.root={REPO}", "trainer.progress_bar=false", "trainer.view_every_n_steps=0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -123,7 +124,7 @@ def test_a_sweep_is_one_mlflow_parent_run_with_a_uniquely_named_child_per_job(
     db, sweep = tmp_path / "mlflow.db", tmp_path / "sweep"
     cmd = [sys.executable, "-m", "saopd.train", "-m", "experiment=tiny", "steps=1",
            "seed=0,1", "eval.every_n_steps=0", f"hydra.sweep.dir={sweep}",
-           f"logger.tracking_uri=sqlite:///{db}", f"paths.root={REPO}",
+           f"logger.tracking_uri={sqlite_store(db)}", f"paths.root={REPO}",
            "trainer.view_every_n_steps=0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)

@@ -14,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.evaluate import CONF_DIR, run_eval
 from saopd.rollout.base import Rollout, RolloutBatch, SamplingParams
+from tests.helpers.mlflow_store import sqlite_store
 
 REPO = Path(CONF_DIR).parent
 
@@ -71,7 +72,7 @@ def compose_eval(tmp: Path, *overrides: str):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("eval", overrides=[
             f"data_dir={REPO / 'data' / 'prepared' / 'eval'}", f"output_dir={tmp / 'eval'}",
-            f"tracking_uri=sqlite:///{tmp / 'mlflow.db'}", *overrides])
+            f"tracking_uri={sqlite_store(tmp / 'mlflow.db')}", *overrides])
 
 
 def test_saopd_eval_on_a_tiny_model_writes_samples_and_logs(tmp_path: Path,

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.helpers.mlflow_store import sqlite_store
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now on 127.0.0.1 (the kernel's pick)."""
@@ -22,7 +24,7 @@ def tracking_server(folder: Path) -> Iterator[str]:
     from saopd.tracking_server import start_server, stop_server
 
     port = free_port()
-    process = start_server(backend_store_uri=f"sqlite:///{folder / 'mlflow.db'}",
+    process = start_server(backend_store_uri=sqlite_store(folder / "mlflow.db"),
                            artifacts_destination=folder / "artifacts", port=port, workers=1,
                            log_file=folder / "server.log")
     try:

@@ -12,6 +12,8 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
+from tests.helpers.mlflow_store import sqlite_store
+
 EXPERIMENT = "study-x"
 
 # method -> (filter, objective, {seed: {benchmark: score}})
@@ -73,7 +75,7 @@ def _entropy_metrics() -> list[Metric]:
 def make_store(tmp: Path) -> Store:
     """Runs of experiment ``study-x`` (tag study=x) plus an eval-only student run in ``eval``,
     one FAILED run and one run of another study."""
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = sqlite_store(tmp / "mlflow.db")
     client = MlflowClient(uri)
     art = (tmp / "mlartifacts").as_uri()
     exp = client.create_experiment(EXPERIMENT, artifact_location=f"{art}/study-x")

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from saopd.evaluate import run_eval
 from saopd.tracking_server import start_server, stop_server
 from saopd.train import CONF_DIR, UserError, train
+from tests.helpers.mlflow_store import sqlite_store
 from tests.helpers.net import free_port
 
 FAST = ("experiment=tiny", "trainer.view_every_n_steps=0")
@@ -34,7 +35,7 @@ def _compose_eval(tmp: Path, *overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("eval", overrides=[
             f"data_dir={REPO / 'data' / 'prepared' / 'eval'}", f"output_dir={tmp / 'eval'}",
-            f"tracking_uri=sqlite:///{tmp / 'mlflow.db'}", "model=tiny_qwen3",
+            f"tracking_uri={sqlite_store(tmp / 'mlflow.db')}", "model=tiny_qwen3",
             "benchmarks=[gsm8k]", "limit=1", "k=1", "+max_new_tokens.gsm8k=4",
             "grade_workers=1", *overrides])
 
@@ -124,7 +125,7 @@ def test_a_tracking_server_that_dies_mid_run_stops_it_within_a_minute(make_cfg, 
                  "MLFLOW_HTTP_REQUEST_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
     port = free_port()
-    server = start_server(backend_store_uri=f"sqlite:///{tmp_path / 'server.db'}",
+    server = start_server(backend_store_uri=sqlite_store(tmp_path / "server.db"),
                           artifacts_destination=tmp_path / "artifacts", port=port, workers=1,
                           log_file=tmp_path / "server.log", timeout_s=600)  # a loaded machine
     uri = f"http://127.0.0.1:{port}"
@@ -157,7 +158,7 @@ def _search(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [str(TRAIN), "-m", "hparams_search=sa_opd", *FAST, "steps=1", "eval.every_n_steps=0",
          "hydra.callbacks.search_objectives.metrics=[train/loss]",
          "hydra.sweeper.direction=[minimize]", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-         f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}", *args],
+         f"logger.tracking_uri={sqlite_store(tmp_path / 'mlflow.db')}", *args],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
 
 
@@ -439,7 +440,8 @@ def test_a_slurm_local_job_killed_by_sigterm_is_in_the_summary_and_resumes(tmp_p
     env.pop("SAOPD_ROOT", None)
     proc = subprocess.Popen(
         [str(TRAIN), "-m", *FAST, f"steps={steps}", "hydra/launcher=slurm_local",
-         f"hydra.sweep.dir={sweep}", f"logger.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+         f"hydra.sweep.dir={sweep}",
+         f"logger.tracking_uri={sqlite_store(tmp_path / 'mlflow.db')}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 1500  # a loaded machine took 10 minutes to the first step

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers.mlflow_store import sqlite_store
 from tests.helpers.vlm import synth_dir
 
 TRAIN = Path(sys.executable).with_name("saopd-train")
@@ -36,7 +37,7 @@ def test_tiny_trains_from_another_directory(tmp_path: Path) -> None:
     cwd = _elsewhere(tmp_path)
     store = tmp_path / "store" / "mlflow.db"
     out = _run(cwd, "experiment=tiny", "steps=1", f"hydra.run.dir={tmp_path / 'run'}",
-               f"logger.tracking_uri=sqlite:///{store}", "trainer.view_every_n_steps=0")
+               f"logger.tracking_uri={sqlite_store(store)}", "trainer.view_every_n_steps=0")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 1

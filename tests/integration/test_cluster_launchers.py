@@ -21,6 +21,7 @@ import pytest
 
 from saopd.lightning.checkpoints import read_checkpoint
 from saopd.sweeps import read_jobs
+from tests.helpers.mlflow_store import sqlite_store
 from tests.helpers.net import tracking_server
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def _uri(tmp: Path, server: str | None) -> str:
-    return server or f"sqlite:///{tmp / 'm.db'}"
+    return server or sqlite_store(tmp / "m.db")
 
 
 def _sweep(tmp: Path, *overrides: str, server: str | None = None) -> list[str]:

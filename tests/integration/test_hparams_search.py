@@ -17,6 +17,7 @@ from mlflow import MlflowClient
 from saopd.search import SearchObjectives, objective_values
 from saopd.train import CONF_DIR
 from tests.conftest import REPO
+from tests.helpers.mlflow_store import sqlite_store
 
 TRAIN = Path(sys.executable).with_name("saopd-train")
 
@@ -25,7 +26,7 @@ def run_search(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[
     """``saopd-train -m <args>`` from ``tmp_path``; (the process, the sweep folder, the store)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     env.pop("SAOPD_ROOT", None)
-    sweep, store = tmp_path / "sweep", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    sweep, store = tmp_path / "sweep", sqlite_store(tmp_path / "mlflow.db")
     out = subprocess.run([str(TRAIN), "-m", *args, f"hydra.sweep.dir={sweep}",
                           f"logger.tracking_uri={store}", "trainer.view_every_n_steps=0"],
                          cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
