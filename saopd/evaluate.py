@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
@@ -40,7 +39,7 @@ from saopd.lightning.checkpoints import read_checkpoint
 from saopd.lightning.resume import CHECKPOINT_IDENTITY_KEY
 from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import build_model, build_vlm
-from saopd.paths import conf_dir, config_dirs, register_resolvers, repo_root, yaml_problem
+from saopd.paths import conf_dir, register_resolvers, repo_root
 from saopd.rollout.base import SamplingParams
 from saopd.rollout.registry import build_engine
 from saopd.tracking import (
@@ -290,19 +289,9 @@ register_schema()
 register_resolvers()
 
 
-def main() -> None:
-    """``saopd-eval``: :func:`app` on the command line's config, once every YAML file it may read
-    parses (a syntax error is one line naming the file and line, exit status 2)."""
-    problem = yaml_problem(config_dirs(sys.argv[1:]))
-    if problem is not None:
-        print(f"saopd-eval: error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    app()
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="eval")
-def app(cfg: DictConfig) -> None:
-    """The Hydra app of ``saopd-eval``."""
+def run_job(cfg: DictConfig) -> None:
+    """The job of ``saopd-eval`` (:func:`saopd.cli.eval_app`): :func:`run_eval`, its scores
+    printed; a problem with the config or the inputs exits with status 2 and one line."""
     try:
         summary = run_eval(cfg)
     except (ValueError, FileNotFoundError, OSError) as err:
@@ -318,6 +307,3 @@ def app(cfg: DictConfig) -> None:
     if "run_id" in summary:
         print(f"MLflow run: {summary['run_id']}")
 
-
-if __name__ == "__main__":
-    main()

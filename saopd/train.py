@@ -22,7 +22,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, TypeVar
 
-import hydra
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
@@ -48,7 +47,7 @@ from saopd.lightning.trainer import build_trainer, progress_callback, training_c
 from saopd.mlflow_ui import KEY_CHARTS_VIEW, experiment_url, ui_command
 from saopd.models.factory import build_models
 from saopd.objectives import OBJECTIVES
-from saopd.paths import conf_dir, config_dirs, register_resolvers, yaml_problem
+from saopd.paths import conf_dir, register_resolvers
 from saopd.prompts.sources import load_prompts
 from saopd.rollout.registry import build_run_engine
 from saopd.scoring.registry import build_scorer
@@ -212,20 +211,9 @@ register_schema()
 register_resolvers()
 
 
-def main() -> None:
-    """``saopd-train``: :func:`app` on the command line's config, once every YAML file it may
-    read parses (a syntax error is one line naming the file and line, exit status 2)."""
-    problem = yaml_problem(config_dirs(sys.argv[1:]))
-    if problem is not None:
-        print(f"saopd-train: error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    app()
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
-def app(cfg: DictConfig) -> dict[str, Any] | None:
-    """The Hydra app of ``saopd-train`` (a sweep's task function); returns the run's summary
-    (None if it failed).
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """The job of ``saopd-train`` (:func:`saopd.cli.train_app`, a sweep's task function) on
+    its composed config; returns the run's summary (None if it failed).
 
     A single run that fails exits with status 2 (configuration) or re-raises. In a sweep
     (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes
@@ -342,7 +330,4 @@ def _format_evals(evals: dict[str, dict[str, float]]) -> list[str]:
         lines.append(f"    {key.removeprefix('eval/')}: {shown} -> {value:.4g}")
     return lines
 
-
-if __name__ == "__main__":
-    main()
 

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,10 +21,12 @@ HISTORY = re.compile(r"session [0-9]|issue [0-9]", re.IGNORECASE)
 PLUGIN_LAUNCHERS = ("basic", "joblib")
 
 
-def _run(module: str, *args: str) -> str:
+def _run(command: str, *args: str) -> str:
+    """``command`` (a console script beside this Python, or ``-m <module>``) with ``args``."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                         timeout=300, env=env)
+    argv = ([sys.executable, command, *args] if command == "-m"
+            else [str(Path(sys.executable).with_name(command)), *args])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -36,12 +39,12 @@ def _groups() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def train_help() -> str:
-    return _run("saopd.train", "--help", "steps=7", "trainer.progress_bar=false")
+    return _run("saopd-train", "--help", "steps=7", "trainer.progress_bar=false")
 
 
 @pytest.fixture(scope="module")
 def eval_help() -> str:
-    return _run("saopd.evaluate", "--help", "limit=9")
+    return _run("saopd-eval", "--help", "limit=9")
 
 
 def _shown_groups(help_text: str) -> dict[str, list[str]]:
@@ -93,7 +96,7 @@ def test_train_help_shows_this_commands_values_not_the_raw_config(train_help: st
 
 
 def test_cfg_job_still_prints_the_whole_config() -> None:
-    out = _run("saopd.train", "--cfg", "job", "experiment=tiny")
+    out = _run("saopd-train", "--cfg", "job", "experiment=tiny")
     for key in ("student:", "name_or_path:", "trainer:", "progress_bar: true",
                 "progress_bar_every_s: 10.0", "steps: 3"):
         assert key in out, key
@@ -119,7 +122,7 @@ def test_argparse_help_names_no_history(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert out.startswith("usage: saopd-report")
     assert not HISTORY.search(out)
-    out = _run("saopd.serve", "--help")  # the thin `python -m saopd.serve` entry point
+    out = _run("-m", "saopd.serve", "--help")  # the thin `python -m saopd.serve` entry point
     assert out.startswith("usage: saopd-serve")
     assert not HISTORY.search(out)
 
@@ -156,3 +159,46 @@ def test_make_help_lists_every_target_by_purpose_run_first() -> None:
     assert targets - {"help"} == set(listed), targets ^ set(listed)
     headings = [line for line in lines if line and not line.startswith(" ")][1:]
     assert headings == ["Set-up", "Run", "Study", "Docs", "Test"]
+
+
+#: What a training job imports (seconds on a 2-core CPU); the command line must not need them.
+HEAVY = ("torch", "lightning", "transformers", "mlflow")
+IMPORTS_OF = """
+import json, sys
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+from saopd import cli
+main = cli.train_main if sys.argv[0] == "saopd-train" else cli.eval_main
+code = None
+try:
+    main()
+except SystemExit as done:
+    code = done.code
+print(json.dumps({"code": code, "heavy": [m for m in HEAVY if m in sys.modules]}))
+"""
+
+
+def _imports_of(tmp_path: Path, *argv: str) -> tuple[dict, str]:
+    """Exit status and heavy modules imported of ``saopd.cli``'s command ``argv``."""
+    code = f"HEAVY = {HEAVY!r}\n" + IMPORTS_OF
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
+
+
+def test_help_and_config_errors_answer_before_the_heavy_imports(tmp_path: Path) -> None:
+    """``--help``, a YAML syntax error and a mistyped override end without importing torch,
+    Lightning, transformers or MLflow (~13 s on a 2-core CPU): the job imports them."""
+    got, text = _imports_of(tmp_path, "saopd-train", "--help")
+    assert got == {"code": 0, "heavy": []} and "Configuration groups" in text
+    got, text = _imports_of(tmp_path, "saopd-eval", "--help")
+    assert got == {"code": 0, "heavy": []} and "Configuration groups" in text
+    bad = tmp_path / "conf"
+    bad.mkdir()
+    (bad / "train.yaml").write_text("defaults: [\n")
+    got, text = _imports_of(tmp_path, "saopd-train", "--config-dir", str(bad))
+    assert got == {"code": 2, "heavy": []} and "train.yaml" in text
+    got, text = _imports_of(tmp_path, "saopd-train", "no_such_key=1")
+    assert got["code"] == 1 and got["heavy"] == [] and "no_such_key" in text

@@ -63,7 +63,7 @@ def test_method_sets_filter_objective_and_label(method: str) -> None:
 def test_failed_job_is_recorded_and_the_parallel_sweep_goes_on(tmp_path: Path) -> None:
     db = tmp_path / "mlflow.db"
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "saopd.train", "-m", "hydra/launcher=joblib",
+    cmd = [str(Path(sys.executable).with_name("saopd-train")), "-m", "hydra/launcher=joblib",
            "hydra.launcher.n_jobs=2", "study=p1p2_grid", "experiment=tiny", "steps=1", "seed=0",
            "filter.p1=0.5,1.5", "filter.p2=0.3", "eval.limit=2", "eval.max_new_tokens=4",
            f"hydra.sweep.dir={sweep}", f"logger.tracking_uri={sqlite_store(db)}",
@@ -122,7 +122,7 @@ def test_the_ray_launcher_asks_for_the_experiments_resources() -> None:
 def test_a_sweep_is_one_mlflow_parent_run_with_a_uniquely_named_child_per_job(
         tmp_path: Path) -> None:
     db, sweep = tmp_path / "mlflow.db", tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "saopd.train", "-m", "experiment=tiny", "steps=1",
+    cmd = [str(Path(sys.executable).with_name("saopd-train")), "-m", "experiment=tiny", "steps=1",
            "seed=0,1", "eval.every_n_steps=0", f"hydra.sweep.dir={sweep}",
            f"logger.tracking_uri={sqlite_store(db)}", f"paths.root={REPO}",
            "trainer.view_every_n_steps=0"]
@@ -142,7 +142,7 @@ def test_a_sweep_is_one_mlflow_parent_run_with_a_uniquely_named_child_per_job(
     assert parent.data.tags["saopd.sweep"] == str(sweep.resolve())
     assert "sweep" not in parent.data.tags  # -t sweep=<dir> selects the jobs, not the parent
     # the command line's overrides (Hydra keeps hydra.* apart)
-    assert parent.data.tags["overrides"].split() == [o for o in cmd[4:]
+    assert parent.data.tags["overrides"].split() == [o for o in cmd[2:]
                                                      if not o.startswith("hydra.")]
     assert parent.info.run_name == f"tiny sweep {sweep.name}"
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}

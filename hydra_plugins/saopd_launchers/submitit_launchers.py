@@ -35,8 +35,6 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import (
     SlurmLauncher as SubmititSlurmLauncher,
 )
 
-from saopd.lightning.runs import preemption_requested, request_preemption
-
 log = logging.getLogger(__name__)
 
 
@@ -59,6 +57,8 @@ def _defer(signum: int, frame: Any) -> None:
                 signal.Signals(signum).name)
     if HydraConfig.initialized():
         _JOB_FOLDER.append(Path(HydraConfig.get().runtime.output_dir))
+    from saopd.lightning.runs import request_preemption  # imported in the job: torch, Lightning
+
     request_preemption()
     signal.raise_signal(signal.SIGTERM)  # Lightning's handler: stop after this step
 
@@ -90,6 +90,8 @@ class _Requeueing:
         try:
             return super().__call__(sweep_overrides, *args, **kwargs)  # type: ignore[misc]
         except SystemExit:  # saopd-train exits 143 after saving a preempted step
+            from saopd.lightning.runs import preemption_requested
+
             if not (preemption_requested() and callable(requeue)):
                 raise
         requeue(usr, None)  # dumps checkpoint()'s resubmission, requeues, exits

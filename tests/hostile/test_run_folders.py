@@ -225,7 +225,7 @@ FULL_DISK_CLI = textwrap.dedent("""
     import saopd.lightning.checkpoints as checkpoints
     real_open = builtins.open
     checkpoints.open = lambda path, mode="r", *a, **k: real_open("/dev/full", mode, *a, **k)
-    from saopd.train import main
+    from saopd.cli import train_main as main
     sys.argv = ["saopd-train", *sys.argv[1:]]
     main()
 """)
