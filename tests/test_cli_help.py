@@ -102,6 +102,13 @@ def test_cfg_job_still_prints_the_whole_config() -> None:
         assert key in out, key
 
 
+def test_the_jobs_log_files_keep_their_names() -> None:
+    """Hydra names a job's log after the file of its app unless the config names the job:
+    ``train.log`` and ``evaluate.log``, whatever module holds the apps."""
+    assert "    name: train\n" in _run("saopd-train", "--cfg", "hydra")
+    assert "    name: evaluate\n" in _run("saopd-eval", "--cfg", "hydra")
+
+
 def test_eval_help_fits_one_screen(eval_help: str) -> None:
     out = eval_help
     lines = out.rstrip("\n").splitlines()
