@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup run test lint data bench-filter bench-scoring setup-vllm test-vllm bench-rollout
-.PHONY: browser setup-trl bench-trl planted-prior
+.PHONY: browser setup-trl bench-trl
 
 # `make` alone (or `make help`): the targets by purpose, `make run` first. A new target goes here
 # too (tests/test_cli_help.py checks that every target of this file is listed).
@@ -31,7 +31,6 @@ help:
 	@echo "  testbed           the arithmetic testbed's tic study: every arm and seed, then its tables"
 	@echo "  testbed-checks    the tic study's pre-registered checks, each with its verdict"
 	@echo "  testbed-shortcut  the first testbed study (the shortcut prior)"
-	@echo "  planted-prior     the planted-prior testbed (experiments/planted_prior)"
 	@echo "  bench-filter      SA-OPD's filter on 2^20 tokens, every branch of Algorithm 2"
 	@echo "  bench-scoring     chunked token scoring against full logits, at a Qwen-like vocabulary"
 	@echo "  bench-rollout     rollout tokens/s: vLLM against HF generate"
@@ -233,12 +232,6 @@ bench-trl-vllm: setup-trl-vllm
 	OMP_NUM_THREADS=1 $(TRL_VLLM_PY) experiments/benchmarks/trl_compare.py --engine vllm \
 	  --sides saopd,trl,trl:hf,saopd:hf --steps 4 --rounds 2 --new-tokens 96 \
 	  --out docs/figures/trl_compare_vllm.json
-
-# The planted-prior testbed (experiments/planted_prior/README.md): filter rates, training,
-# template-token rates and GSM8K accuracy; CPU, 1 torch thread (as recorded), about 45 minutes
-# on a shared 2-core machine.
-planted-prior: setup
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VPY) experiments/planted_prior/run.py --threads 1
 
 # The arithmetic testbed's answer (experiments/testbed/README.md): the tic study, whose design,
 # checks and predictions are in experiments/testbed/tic/PREREGISTRATION.md: a teacher whose

@@ -6,7 +6,7 @@ Teacher: SmolLM2-135M-Instruct wrapped in :class:`saopd.testbeds.planted.Planted
 tokens ("So", " Therefore", " Let", " step", ...) in every context, +``grounded_bonus`` on the
 tokens of the row's prompt. Student: its 10-layer pruned copy. Three phases, one command::
 
-    .venv/bin/python experiments/planted_prior/run.py            # = make planted-prior
+    .venv/bin/python experiments/archive/planted_prior/run.py  # archived: no Make target
 
 1. ``rates``: per seed, the student samples responses to GSM8K train prompts; the teacher (full
    and residual) and the student score them once; SA-OPD and the three calibrated ablations
@@ -29,7 +29,7 @@ tokens of the row's prompt. Student: its 10-layer pruned copy. Three phases, one
    (Avg@1, graded by saopd.eval.math), and per method the paired difference from vanilla OPD
    (same seed, same prompts and sampler seed), mean and 95% CI.
 
-Outputs under ``--out`` (default ``experiments/planted_prior/results``): ``results.json`` and
+Outputs under ``--out`` (default ``experiments/archive/planted_prior/results``): ``results.json`` and
 ``filter_rates.png``, ``inheritance.png``.
 """
 
@@ -53,7 +53,7 @@ import lightning as L
 import torch
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+REPO = HERE.parents[2]
 METHODS = ("none", "sa_opd", "divergence_only", "ig_only", "random")
 FILTERS = ("sa_opd", "divergence_only", "ig_only", "random")
 SOURCE_CLASSES = ("spurious", "grounded", "weak")
