@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import register_schema
 from saopd.config.eval import EvalConfig
 from saopd.config.model import ModelConfig

@@ -28,7 +28,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig
 
-import saopd.testbeds  # noqa: F401  (registers the planted-prior model wrapper)
 from saopd.config import register_schema, to_train_config
 from saopd.filters import FILTERS
 from saopd.lightning.callbacks import EvalCallback

@@ -138,3 +138,32 @@ def test_sa_opd_with_p1_zero_is_vanilla_opd(objective_name, seed, p2, beta_min) 
     r_no, o_no, l_no = step(s, "none", objective_name)
     assert torch.equal(r_sa.keep, r_no.keep)
     assert torch.equal(o_sa.loss, o_no.loss) and torch.equal(l_sa, l_no)
+
+
+def test_a_declared_plug_in_is_imported_on_first_get(tmp_path, monkeypatch) -> None:
+    from saopd.registry import Registry
+
+    (tmp_path / "late_plugin_mod.py").write_text(
+        "from tests.test_registry import LATE\n"
+        "@LATE.register('late')\n"
+        "class Late:\n"
+        "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(globals(), "LATE", Registry("late thing"))
+    registry = globals()["LATE"]
+    registry.declare("late", "late_plugin_mod")
+    assert "late" in registry and registry.names() == ["late"]
+    import sys
+    assert "late_plugin_mod" not in sys.modules
+    cls = registry.get("late")
+    assert cls.__name__ == "Late" and cls.__module__ == "late_plugin_mod"
+    assert registry.get("late") is cls
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.declare("late", "late_plugin_mod")
+    registry.declare("ghost", "late_plugin_mod")  # the module does not register it
+    with pytest.raises(ValueError, match="did not register it"):
+        registry.get("ghost")
+    with pytest.raises(ValueError, match="declared in elsewhere_mod"):
+        registry.declare("other", "elsewhere_mod")
+        registry.register("other")(type("Other", (), {}))
+    monkeypatch.delitem(sys.modules, "late_plugin_mod")

@@ -41,9 +41,13 @@ if TYPE_CHECKING:
 
 
 #: Wrappers applied to a built text model whose config has the matching block, by block name:
-#: ``wrapper(model, tokenizer, block) -> model``. :mod:`saopd.testbeds` registers ``planted``
-#: (:func:`saopd.testbeds.planted.plant_priors`), which lives above the scoring layer it hooks.
+#: ``wrapper(model, tokenizer, block) -> model``. The testbeds' wrappers live above the scoring
+#: layer they hook, so they are declared here by module and imported only when a config has their
+#: block: ``planted`` (:func:`saopd.testbeds.planted.plant_priors`) and ``tic``
+#: (:func:`saopd.testbeds.tic.plant_tic`).
 MODEL_WRAPPERS: Registry[Callable[..., Any]] = Registry("model wrapper")
+MODEL_WRAPPERS.declare("planted", "saopd.testbeds.planted")
+MODEL_WRAPPERS.declare("tic", "saopd.testbeds.tic")
 
 def load_device(trainer: TrainerConfig) -> torch.device | None:
     """Where a run's text models are loaded: this process's GPU (``cuda:LOCAL_RANK``, or the
@@ -122,12 +126,8 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None
     if cfg.prune_every is not None or cfg.prune_keep is not None:
         model = prune_layers(model, keep=cfg.prune_keep, every=cfg.prune_every)
     for block in ("planted", "tic"):
-        if getattr(cfg, block) is None:
-            continue
-        if block not in MODEL_WRAPPERS:
-            raise ValueError(f"model.{block} needs its testbed's model wrapper, registered by "
-                             "importing saopd.testbeds (saopd-train and saopd-eval do)")
-        model = MODEL_WRAPPERS.get(block)(model, tokenizer, getattr(cfg, block))
+        if getattr(cfg, block) is not None:
+            model = MODEL_WRAPPERS.get(block)(model, tokenizer, getattr(cfg, block))
     return model, tokenizer
 
 

@@ -1,7 +1,8 @@
 """Testbeds with a known ground truth: models whose spurious priors are planted by
-construction, so a filter's selections can be scored against the truth."""
+construction, so a filter's selections can be scored against the truth.
 
-from saopd.testbeds import (
-    planted,  # noqa: F401  (registers the ``planted`` model wrapper)
-    tic,  # noqa: F401  (registers the ``tic`` wrapper and the oracle filter)
-)
+The model wrappers (``planted``: :mod:`saopd.testbeds.planted`; ``tic``:
+:mod:`saopd.testbeds.tic`) are declared in :data:`saopd.models.factory.MODEL_WRAPPERS` by
+module, and imported only when a model config has their block (``model.planted``,
+``model.tic``); ``arithmetic`` is the arithmetic testbed's token ground truth.
+"""
