@@ -29,7 +29,8 @@ tokens of the row's prompt. Student: its 10-layer pruned copy. Three phases, one
    (Avg@1, graded by saopd.eval.math), and per method the paired difference from vanilla OPD
    (same seed, same prompts and sampler seed), mean and 95% CI.
 
-Outputs under ``--out`` (default ``experiments/archive/planted_prior/results``): ``results.json`` and
+Outputs under ``--out`` (default ``experiments/archive/planted_prior/results``):
+``results.json`` and
 ``filter_rates.png``, ``inheritance.png``.
 """
 
