@@ -140,7 +140,7 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
     """
     import pandas as pd
 
-    from saopd.analysis.runs import (
+    from saopd.analysis.collect import (
         UNFINISHED,
         NoRunsError,
         RunQuery,
@@ -266,6 +266,7 @@ def run_report(args: argparse.Namespace) -> dict[str, Any]:
 def _figures(client: Any, runs: Any, labels: Any, seeds: Any, out: Path,
              args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     """Training dynamics (all runs, and one per run) and entropy over steps, when logged."""
+    from saopd.analysis.collect import metric_histories
     from saopd.analysis.plots import (
         ENTROPY_METRICS,
         FLMR_METRIC,
@@ -274,7 +275,6 @@ def _figures(client: Any, runs: Any, labels: Any, seeds: Any, out: Path,
         save_figure,
         training_dynamics_figure,
     )
-    from saopd.analysis.runs import metric_histories
 
     produced: dict[str, Any] = {"_files": []}
     if runs.empty:
@@ -317,8 +317,13 @@ def _accuracy_figure(client: Any, runs: Any, groups: dict[str, str], out: Path,
                      produced: dict[str, Any]) -> None:
     """``accuracy_over_steps.png``: the held-out scores over steps, mean and 95% band per
     method (:func:`saopd.analysis.plots.over_steps_figure`)."""
+    from saopd.analysis.collect import (
+        NoRunsError,
+        benchmark_columns,
+        column_label,
+        metric_histories,
+    )
     from saopd.analysis.plots import over_steps_figure, save_figure
-    from saopd.analysis.runs import NoRunsError, benchmark_columns, column_label, metric_histories
 
     wanted = [b.strip() for b in args.benchmarks.split(",") if b.strip()] \
         if args.benchmarks else None
@@ -339,9 +344,9 @@ def _token_outputs(client: Any, runs: Any, labels: Any, out: Path, args: argpars
     """Table 4 and the entropy distribution per method, from the runs' token records."""
     import pandas as pd
 
+    from saopd.analysis.collect import download_token_records
     from saopd.analysis.plots import entropy_distribution_figure, save_figure
     from saopd.analysis.reporting import slug
-    from saopd.analysis.runs import download_token_records
     from saopd.analysis.token_records import load_step_record
     from saopd.analysis.token_stats import render_token_statistics, token_frame, token_statistics
 

@@ -164,7 +164,7 @@ def analyse(study: str, refs: dict[str, dict[str, list[float]]]) -> dict[str, An
     """Per-method tables (mean ± 95% CI over seeds) and figures of one study's runs."""
     import pandas as pd
 
-    from saopd.analysis.runs import (
+    from saopd.analysis.collect import (
         RunQuery,
         download_token_records,
         load_runs,

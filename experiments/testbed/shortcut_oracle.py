@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                "trainer.progress_bar=false"]  # parallel jobs' progress lines would interleave
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=REPO, env=env, check=True)
-    from saopd.analysis.runs import RunQuery, load_runs, metric_histories, run_seeds
+    from saopd.analysis.collect import RunQuery, load_runs, metric_histories, run_seeds
 
     uri = f"sqlite:///{REPO / 'mlflow.db'}"
     runs = load_runs(uri, RunQuery(experiments=("testbed",), tags={"study": "shortcut_oracle"},

@@ -159,7 +159,13 @@ def collect() -> tuple[Any, dict[str, dict[str, Any]], Any]:
     histories of accuracy and tic rate."""
     import pandas as pd
 
-    from saopd.analysis.runs import RunQuery, load_runs, metric_histories, mlflow_client, run_seeds
+    from saopd.analysis.collect import (
+        RunQuery,
+        load_runs,
+        metric_histories,
+        mlflow_client,
+        run_seeds,
+    )
     from saopd.filters.oracle import tic_token_ids
     from saopd.models.tiny import tiny_tokenizer
     from saopd.testbeds.arithmetic import (

@@ -6,7 +6,7 @@ this package stays light):
 - :mod:`~saopd.analysis.token_view`: the filtered-token HTML view (Appendix E).
 - :mod:`~saopd.analysis.token_records`: per-step token records on disk (what training saves).
 - :mod:`~saopd.analysis.token_stats`: Table 4 token statistics, filtered vs kept.
-- :mod:`~saopd.analysis.runs`: MLflow runs and metric histories as pandas frames.
+- :mod:`~saopd.analysis.collect`: MLflow runs and metric histories as pandas frames.
 - :mod:`~saopd.analysis.tables`: seed-aggregated results tables (Markdown, LaTeX, HTML).
 - :mod:`~saopd.analysis.plots`: training dynamics (Figure 4) and entropy (Figure 3b) figures.
 - :mod:`~saopd.analysis.reporting`: output files and the MLflow report run (``saopd-report``).

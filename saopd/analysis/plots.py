@@ -7,7 +7,7 @@ no GUI backend needed: headless CI renders with Agg); :func:`save_figure` writes
 notebook shows it by leaving it as a cell's value.
 
 Inputs are pandas frames: metric histories in long format (``run_id``, ``key``, ``step``,
-``value``; :func:`saopd.analysis.runs.metric_histories`) and per-token frames
+``value``; :func:`saopd.analysis.collect.metric_histories`) and per-token frames
 (:func:`saopd.analysis.token_stats.token_frame`).
 """
 
@@ -224,7 +224,7 @@ def over_steps_figure(histories: pd.DataFrame, groups: Mapping[str, str],
     where one run has the step). The legend names each method with its seed count.
 
     Args:
-        histories: long metric histories (:func:`saopd.analysis.runs.metric_histories`).
+        histories: long metric histories (:func:`saopd.analysis.collect.metric_histories`).
         groups: the method of each run to draw; other runs are left out.
         panels: metrics and panel titles, e.g. ``[("eval/arith/avg_at_4", "held-out
             accuracy (Avg@4)")]``.

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from saopd.analysis.runs import mlflow_client
+from saopd.analysis.collect import mlflow_client
 from saopd.analysis.tables import ResultsTable
 from saopd.mlflow_ui import get_or_create_experiment
 

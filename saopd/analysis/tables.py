@@ -33,8 +33,8 @@ from typing import Any, Literal
 
 import pandas as pd
 
+from saopd.analysis.collect import BASELINE_LABEL, method_order
 from saopd.analysis.grid import Cell, Grid, grid_html, grid_latex, grid_markdown
-from saopd.analysis.runs import BASELINE_LABEL, METHOD_ORDER
 
 __all__ = [
     "AVG",
@@ -340,13 +340,15 @@ def missing_notes(values: pd.DataFrame, labels: pd.Series) -> list[str]:
 
 
 def _order(labels: Sequence[str], baseline: str | None, highlight: str | None) -> list[str]:
+    known_order = method_order()
+
     def key(label: str) -> tuple[int, int, str]:
         if label == baseline:
             return (0, 0, label)
         if label == highlight:
             return (2, 0, label)
         base = label.split(" (", 1)[0]
-        known = METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER)
+        known = known_order.index(base) if base in known_order else len(known_order)
         return (1, known, label)
 
     return sorted(dict.fromkeys(labels), key=key)
@@ -364,7 +366,7 @@ def results_table(scores: pd.DataFrame, columns: Mapping[str, str], *,
             (``eval/<bench>/avg_at_<k>``) as fractions; NaN where a run lacks it.
         columns: ``{metric column of scores: header label}``, in table order.
         labels: method label per run (same index as ``scores``), e.g.
-            :func:`saopd.analysis.runs.method_labels`.
+            :func:`saopd.analysis.collect.method_labels`.
         references: ``{row label: [run ids]}`` shown above the methods and never ranked
             (Student, Teacher); their runs are taken out of the method rows.
         baseline: the method ``Δ`` is measured against (``None`` or absent: no ``Δ``).

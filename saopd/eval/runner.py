@@ -7,9 +7,9 @@ response, extracted answer, score).
 
 What a benchmark is comes from its record (:data:`saopd.eval.benchmarks.BENCHMARKS`):
 :func:`load_benchmark` reads the file the record names, and :func:`grade_samples` grades with the
-record's grader (:data:`GRADERS`): ``math`` sends every response to math-verify in worker
-processes (:func:`saopd.eval.grading.grade_many`); ``vision`` grades rows whose
-``metadata["format"]`` is ``count``, ``choice``, ``numeric`` or ``text`` with
+record's grader (:data:`saopd.eval.graders.GRADERS`): ``math`` sends every response to
+math-verify in worker processes (:func:`saopd.eval.grading.grade_many`); ``vision`` grades rows
+whose ``metadata["format"]`` is ``count``, ``choice``, ``numeric`` or ``text`` with
 :func:`saopd.eval.vision.grade_vision` (in-process) and rows without a format with math-verify;
 ``mmifeval`` scores each sample by :func:`saopd.eval.mmifeval.grade_mmifeval`: the mean over its
 graded constraints. Constraints that need an LLM judge are graded only when a ``judge`` is given,
@@ -25,15 +25,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from saopd.eval.benchmarks import BENCHMARKS
-from saopd.eval.grading import grade_exact_phrases, grade_many
+from saopd.eval.graders import GRADERS
 from saopd.eval.math import extract_answer
-from saopd.eval.mmifeval import grade_mmifeval
-from saopd.eval.vision import grade_vision
 from saopd.prompts.text import GSM8K_DIR, gsm8k_records, load_jsonl
-from saopd.prompts.vision import message_images, read_vision_rows
+from saopd.prompts.vision import read_vision_rows
 from saopd.rollout.base import RolloutEngine, SamplingParams
 
 if TYPE_CHECKING:
@@ -42,11 +40,9 @@ if TYPE_CHECKING:
     from saopd.eval.mmifeval import MMIFEvalJudge
 
 __all__ = [
-    "GRADERS",
     "REQUIRED_FIELDS",
     "BenchmarkResult",
     "EvalProblem",
-    "SampleGrader",
     "evaluate_benchmark",
     "grade_samples",
     "load_benchmark",
@@ -141,102 +137,6 @@ def _vision_problems(path: Path, name: str, *, limit: int | None, skip_bad: bool
                         dict(r.get("metadata") or {})) for r in rows]
 
 
-class SampleGrader(Protocol):
-    """One grader kind: scores in [0, 1] per sample, None for a sample left ungraded.
-
-    ``samples``: dicts with ``id`` (a key of ``problems``), ``response`` and ``gold``; a grader
-    may add fields to them (``extracted``, MM-IFEval's ``constraints``). ``grade_workers``:
-    math-verify processes (None = one per core); ``judge``: MM-IFEval's LLM judge, or None.
-    """
-
-    def __call__(self, samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
-                 grade_workers: int | None, judge: MMIFEvalJudge | None
-                 ) -> list[float | None]: ...
-
-
-def _math_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
-                 grade_workers: int | None, judge: MMIFEvalJudge | None) -> list[float | None]:
-    """math-verify on every sample, in worker processes (0.0 or 1.0).
-
-    A row with a ``metadata["format"]`` belongs to a ``vision``/``mmifeval`` benchmark: refused
-    (``ValueError``) rather than graded as math."""
-    formatted = sorted({str(problems[s["id"]].metadata["format"]) for s in samples
-                        if problems[s["id"]].metadata.get("format") is not None})
-    if formatted:
-        raise ValueError(f"rows with answer format(s) {formatted} in a benchmark graded by "
-                         "math-verify: give the benchmark the 'vision' or 'mmifeval' grader")
-    graded = grade_many([(s["response"], s["gold"]) for s in samples], workers=grade_workers)
-    return [float(bool(ok)) for ok in graded]
-
-
-def _vision_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
-                   grade_workers: int | None, judge: MMIFEvalJudge | None
-                   ) -> list[float | None]:
-    """Rows with a format by :func:`saopd.eval.vision.grade_vision` (in-process; sets the
-    sample's ``extracted``), rows without one by :func:`_math_scores`."""
-    scores: list[float | None] = [None] * len(samples)
-    math_idx = []
-    for i, s in enumerate(samples):
-        meta = problems[s["id"]].metadata
-        if meta.get("format") is None:
-            math_idx.append(i)
-            continue
-        res = grade_vision(s["response"], s["gold"], meta["format"], meta)
-        s["extracted"] = res.extracted
-        scores[i] = float(res.correct)
-    if math_idx:
-        graded = _math_scores([samples[i] for i in math_idx], problems,
-                              grade_workers=grade_workers, judge=judge)
-        for i, value in zip(math_idx, graded, strict=True):
-            scores[i] = value
-    return scores
-
-
-def _mmifeval_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
-                     grade_workers: int | None, judge: MMIFEvalJudge | None
-                     ) -> list[float | None]:
-    """:func:`saopd.eval.mmifeval.grade_mmifeval` per sample (None when nothing could be graded;
-    the sample gets ``constraints`` and ``ungraded_constraints``)."""
-    scores: list[float | None] = []
-    for s in samples:
-        problem = problems[s["id"]]
-        res = grade_mmifeval(s["response"], problem.metadata, judge=judge,
-                             images=[str(p) for p in message_images(problem.messages)])
-        s["extracted"] = None
-        s["constraints"] = res.constraints
-        s["ungraded_constraints"] = res.ungraded
-        scores.append(res.score)
-    return scores
-
-
-def _exact_scores(samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem], *,
-                  grade_workers: int | None, judge: MMIFEvalJudge | None
-                  ) -> list[float | None]:
-    """:func:`saopd.eval.grading.grade_exact_phrases` per sample (in-process): exact integer
-    answers; sets ``extracted`` and ``metrics`` (``phrase_<name>``: 1.0 if the row's
-    ``metadata["phrases"][name]`` occurs in the response; where the row has
-    ``metadata["shortcut"]``: ``shortcut``, 1.0 if the response took it, and the sample's score
-    as ``acc_shortcut`` or ``acc_worked``, so that each averages over its own samples: the
-    accuracy of the responses that took the shortcut and of those that did not)."""
-    scores: list[float | None] = []
-    for s in samples:
-        meta = problems[s["id"]].metadata
-        res = grade_exact_phrases(s["response"], s["gold"], meta.get("phrases"),
-                                  meta.get("shortcut"))
-        s["extracted"] = res.answer
-        s["metrics"] = {f"phrase_{name}": hit for name, hit in res.phrases.items()}
-        if res.shortcut is not None:
-            s["metrics"]["shortcut"] = float(res.shortcut)
-            s["metrics"]["acc_shortcut" if res.shortcut else "acc_worked"] = float(res.correct)
-        scores.append(float(res.correct))
-    return scores
-
-
-#: The graders of :data:`saopd.eval.benchmarks.GRADER_KINDS`, by kind.
-GRADERS: dict[str, SampleGrader] = {"math": _math_scores, "vision": _vision_scores,
-                                    "mmifeval": _mmifeval_scores, "exact": _exact_scores}
-
-
 def grade_samples(name: str, samples: list[dict[str, Any]], problems: Mapping[str, EvalProblem],
                   *, grade_workers: int | None = None, judge: MMIFEvalJudge | None = None
                   ) -> list[float | None]:
@@ -247,7 +147,7 @@ def grade_samples(name: str, samples: list[dict[str, Any]], problems: Mapping[st
     (MM-IFEval). None: a sample with nothing graded (MM-IFEval judge-only constraints without a
     ``judge``). Raises ``ValueError`` for an unregistered ``name`` (listing the registered ones).
     """
-    grader = GRADERS[BENCHMARKS.get(name).grader]
+    grader = GRADERS.get(BENCHMARKS.get(name).grader)
     return grader(samples, problems, grade_workers=grade_workers, judge=judge)
 
 

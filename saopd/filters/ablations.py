@@ -84,6 +84,9 @@ class CalibratedFilter(SAOPDParams, TokenFilter):
 class RandomFilter(CalibratedFilter):
     """Remove a uniformly random subset of the valid tokens (Table 3, "Random")."""
 
+    label = "Random Filter"
+    table_order = 60
+
     def apply(self, signals: TokenSignals, *,
               generator: torch.Generator | None = None) -> FilterResult:
         k = self.target_count(signals)
@@ -98,6 +101,9 @@ class RandomFilter(CalibratedFilter):
 class DivergenceOnlyFilter(CalibratedFilter):
     """Remove the tokens with the largest |A_full| (Table 3, "Divergence-only")."""
 
+    label = "Divergence-only Filter"
+    table_order = 70
+
     def apply(self, signals: TokenSignals, *,
               generator: torch.Generator | None = None) -> FilterResult:
         k = self.target_count(signals)
@@ -109,6 +115,9 @@ class DivergenceOnlyFilter(CalibratedFilter):
 @dataclass
 class InputGroundednessOnlyFilter(CalibratedFilter):
     """Remove the tokens with the smallest grounding gap (Table 3, "IG-only")."""
+
+    label = "Input-Groundedness-only Filter"
+    table_order = 80
 
     requires = _RESIDUAL
 
@@ -128,6 +137,9 @@ class ProxyReplacementFilter(CalibratedFilter):
     Delta'. Calibrated, alpha (scaling p1 and p2 together) is chosen so that |F| is the closest
     reachable count to the target.
     """
+
+    label = "Proxy Replacement"
+    table_order = 90
 
     requires = _RESIDUAL
     uncalibrated_ok = True

@@ -152,10 +152,17 @@ class TokenFilter:
     ``FilterResult.stats`` is logged (``train/<key>``).
     ``needs`` lists the :class:`TokenSignals` fields the filter reads beyond lpS, lpT, valid, so
     the training step computes only those (vanilla OPD pays for no residual pass).
+
+    ``label`` is the filter's name in the paper's tables (``saopd-report``'s rows; None: the
+    config name); ``table_order`` its row's place among the methods (lower first; None: after
+    the ordered ones, by label). Both are read from the registered class itself, not inherited:
+    a subclass registered under another name is its own row.
     """
 
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
+    label: ClassVar[str | None] = None
+    table_order: ClassVar[int | None] = None
 
     @property
     def needs(self) -> tuple[str, ...]:

@@ -55,6 +55,9 @@ class FiReFilter(TokenFilter):
         b: weight of student uncertainty sc (1.0).
     """
 
+    label = "FiRe-OPD"
+    table_order = 20
+
     drop_fraction: float = 0.2
     a: float = 1.0
     b: float = 1.0

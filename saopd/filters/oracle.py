@@ -142,6 +142,8 @@ class OracleFilter(_TokenOracle):
     token, as in the teacher's ``tic`` block; resolved to ids by :meth:`bind_tokenizer`.
     """
 
+    label = "Oracle (positive control)"
+
     name: ClassVar[str] = "oracle"
     targets: ClassVar[tuple[str, ...]] = ("slot", "tic")
     target: str = "slot"
@@ -195,6 +197,8 @@ class ShortcutOracleFilter(_TokenOracle):
     took the shortcut. ``decision`` / ``preamble``: the shortcut's first token and the preamble
     habit that may precede it (with its newline), resolved to ids by :meth:`bind_tokenizer`.
     """
+
+    label = "Oracle: shortcut (positive control)"
 
     name: ClassVar[str] = "oracle_shortcut"
     targets: ClassVar[tuple[str, ...]] = ("slot", "shortcut")

@@ -236,6 +236,9 @@ class SAOPDParams:
 class SAOPDFilter(SAOPDParams, TokenFilter):
     """SA-OPD: drop Bottom_p1(Delta^IG) ∩ Top_p2(|A_full|), optionally under an FLMR bound."""
 
+    label = "SA-OPD"
+    table_order = 100
+
     requires = ("lp_student_res", "lp_teacher_res")
 
     def apply(self, signals: TokenSignals, *,

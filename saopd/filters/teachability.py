@@ -95,6 +95,9 @@ class TeachabilityFilter(TokenFilter):
         quantile_low, quantile_high: the normalisation quantiles (0.05, 0.95).
     """
 
+    label = "TA-OPD"
+    table_order = 40
+
     keep_ratio: float = 0.05
     top_k: int = 16
     quantile_low: float = 0.05

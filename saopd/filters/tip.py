@@ -58,6 +58,9 @@ class TIPFilter(TokenFilter):
         entropy_clip_quantile: clip H_S at this batch quantile before normalising (0.98).
     """
 
+    label = "TIP"
+    table_order = 30
+
     rho: float = 0.5
     entropy_clip_quantile: float = 0.98
     requires = ("entropy_student", "kl")

@@ -37,7 +37,7 @@ from filelock import FileLock, Timeout
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from saopd.analysis.runs import is_hyperparameter
+from saopd.analysis.collect import is_hyperparameter
 from saopd.data_parallel import all_reduce_max
 from saopd.io import write_json_atomic
 
@@ -53,7 +53,7 @@ RESOLVED_CONFIG = "saopd_config.json"
 def training_config(cfg: DictConfig | Mapping[str, Any]) -> dict[str, str]:
     """The resolved config (a ``DictConfig`` or the validated config as a dict) as ``{dotted key:
     value as JSON text}``, only the keys that change training
-    (:func:`saopd.analysis.runs.is_hyperparameter`, the seed included)."""
+    (:func:`saopd.analysis.collect.is_hyperparameter`, the seed included)."""
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     flat: dict[str, str] = {}
 

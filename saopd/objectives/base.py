@@ -42,10 +42,20 @@ class Objective:
     """Base of every objective: a dataclass whose fields are its hyperparameters.
 
     ``requires`` lists the :class:`TokenSignals` fields read beyond lpS, lpT and valid.
+
+    ``label``: the objective's name in the paper's tables (None: the config name; the default
+    ``sampled`` objective has none: its runs are OPD, or the filter's row); ``standalone``: the
+    objective is a method by itself (ExOPD: its label names the row, where another objective's
+    is appended to the filter's, ``OPD (full KL)``); ``table_order``: a standalone method's
+    row's place among the methods (as :attr:`saopd.filters.base.TokenFilter.table_order`).
+    Read from the registered class itself, not inherited.
     """
 
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
+    label: ClassVar[str | None] = None
+    standalone: ClassVar[bool] = False
+    table_order: ClassVar[int | None] = None
 
     @property
     def needs(self) -> tuple[str, ...]:

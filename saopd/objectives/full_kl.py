@@ -19,6 +19,8 @@ from saopd.signals.token_signals import TokenSignals
 class FullReverseKL(Objective):
     """Exact reverse KL over the vocabulary at each kept position (Eq. 19's integrand)."""
 
+    label = "full KL"
+
     requires = ("kl",)
 
     def token_loss(self, signals: TokenSignals, result: FilterResult) -> ObjectiveOutput:

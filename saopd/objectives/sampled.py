@@ -88,6 +88,10 @@ class ExOPD(Objective):
         importance_ratio_cap: as in :class:`SampledOPD`.
     """
 
+    label = "ExOPD"
+    table_order = 10
+    standalone = True
+
     lam: float = 1.25
     importance_ratio_cap: float | None = None
     requires = ("lp_ref",)

@@ -149,6 +149,8 @@ class TopKKL(Objective):
             renormalised: NeMo-RL's default).
     """
 
+    label = "top-k KL"
+
     direction: str = "forward"
     top_k: int = 32
     tail: str = "lumped"
@@ -179,6 +181,10 @@ class EntropyAwareOPD(Objective):
         importance_ratio_cap: as in :class:`saopd.objectives.sampled.SampledOPD` (applies to
             the sampled term only).
     """
+
+    label = "Entropy-Aware OPD"
+    table_order = 50
+    standalone = True
 
     entropy_threshold: float = 0.8
     top_k: int = 16

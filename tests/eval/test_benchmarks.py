@@ -12,8 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from saopd.eval.benchmarks import BENCHMARKS, GRADER_KINDS, MODALITIES, Benchmark
-from saopd.eval.runner import GRADERS, BenchmarkResult, grade_samples, load_benchmark
+from saopd.eval.benchmarks import BENCHMARKS, MODALITIES, Benchmark
+from saopd.eval.graders import GRADERS
+from saopd.eval.runner import BenchmarkResult, grade_samples, load_benchmark
 from saopd.evaluate import CONF_DIR, benchmark_sampling, run_eval
 from saopd.registry import Registry
 
@@ -32,19 +33,42 @@ def compose_eval(tmp: Path, *overrides: str, data_dir: Path | None = None):
 def test_every_record_is_complete_and_its_grader_exists() -> None:
     # the paper's and the arithmetic testbed's, and any benchmark added since: each is checked
     assert PAPER | {"arith"} <= set(BENCHMARKS.names())
-    assert set(GRADERS) == set(GRADER_KINDS)
+    assert set(GRADERS) == {"math", "vision", "mmifeval", "exact"}
     for name in BENCHMARKS:
         record = BENCHMARKS.get(name)
         assert isinstance(record, Benchmark) and record.name == name
         for f in dataclasses.fields(record):
-            if f.name not in ("file", "stage"):
+            if f.name not in ("file", "stage", "label", "column"):
                 assert getattr(record, f.name) not in (None, ""), (name, f.name)
-        assert callable(GRADERS[record.grader]), name
+        assert callable(GRADERS.get(record.grader)), name
         assert record.modality in MODALITIES
         assert (record.file is None) == (record.stage is None) == (name == "gsm8k")
         # vision benchmarks live beside data_dir, written by the VLM stages
         assert (record.modality == "vision") == (record.stage in ("prepare_vlm",
                                                                    "prepare_vlm_eval")), name
+
+
+def test_a_grader_outside_the_registry_is_refused_naming_the_registered_ones() -> None:
+    with pytest.raises(ValueError, match=r"grader must be one of \['exact', 'math', 'mmifeval', "
+                                         r"'vision'\], got 'fuzzy'"):
+        Benchmark("toy", file="toy.jsonl", stage="s", grader="fuzzy", k=1, max_new_tokens=8,
+                  modality="text", description="a toy")
+    with pytest.raises(ValueError, match="unknown grader 'fuzzy'"):
+        GRADERS.get("fuzzy")
+
+
+def test_the_papers_table_benchmarks_carry_their_header_and_column() -> None:
+    """Headers and the paper's column order live on the records (saopd-report reads them)."""
+    ordered = sorted((r for r in map(BENCHMARKS.get, BENCHMARKS) if r.column is not None),
+                     key=lambda r: r.column)
+    assert [r.label for r in ordered] == [
+        "Math500", "AMC23", "AIME25", "AIME24", "Minerva", "GSM8K", "EvoChart", "MMIFEval",
+        "CountQA", "MathVision", "Geo3K", "MathVista"]
+    assert len({r.column for r in ordered}) == len(ordered)
+    assert {r.name for r in ordered} == PAPER - {"synth_vqa"}
+    with pytest.raises(ValueError, match="label must be one non-empty line"):
+        Benchmark("toy", file="toy.jsonl", stage="s", grader="exact", k=1, max_new_tokens=8,
+                  modality="text", description="a toy", label=" ")
 
 
 def test_records_hold_the_papers_settings() -> None:
@@ -63,7 +87,7 @@ def test_records_hold_the_papers_settings() -> None:
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    ({"grader": "vibes"}, r"grader must be one of \['math', 'vision', 'mmifeval', 'exact'\]"),
+    ({"grader": "vibes"}, r"grader must be one of \['exact', 'math', 'mmifeval', 'vision'\]"),
     ({"modality": "audio"}, r"modality must be one of"),
     ({"k": 0}, r"benchmark 'x'\.k must be an int >= 1"),
     ({"max_new_tokens": 1.5}, r"max_new_tokens must be an int"),

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
-from saopd.analysis.runs import (
+from saopd.analysis.collect import (
     NoRunsError,
     RunQuery,
     benchmark_columns,

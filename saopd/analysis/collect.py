@@ -9,7 +9,8 @@ run tags ``filter``/``objective``/``seed`` that ``saopd-train`` sets) and/or run
 
 A run's *method* (a row of the paper's tables) comes from :func:`method_labels`: the run's
 ``method`` tag when set (``logger.tags.method=...``), else a name from its filter and objective
-(``filter=none, objective=sampled`` -> ``OPD``, ``sa_opd`` -> ``SA-OPD``, ...) with the
+(``filter=none, objective=sampled`` -> ``OPD``, ``sa_opd`` -> ``SA-OPD``, ...: the ``label`` of
+the registered filter or objective class, :func:`filter_label`, :func:`objective_label`) with the
 ``filter.*``/``objective.*`` params that differ between runs of that name appended, so that
 ``SA-OPD (beta_max=0.018)`` and ``SA-OPD (beta_max=None)`` stay apart, and so does every other
 param that changes training (``optim.lr=0.5``, ``data.path=...``, ``steps=...``: everything but
@@ -17,8 +18,10 @@ the seed and the bookkeeping in :data:`NOT_HYPERPARAMETERS`). Runs of one method
 in the seed are its seeds.
 
 Scores: every metric ``eval/<benchmark>/avg_at_<k>`` (what ``saopd-eval`` and the training's
-``EvalCallback`` log, as fractions in [0, 1]) is one benchmark column (:func:`benchmark_columns`);
-the value used is the run's latest (highest-step) one.
+``EvalCallback`` log, as fractions in [0, 1]) is one benchmark column (:func:`benchmark_columns`;
+headers and order from the benchmark records); the value used is the run's latest (highest-step)
+one. The labels and orders live on the registered classes and records, so a new filter,
+objective or benchmark shows in the tables with no edit here.
 """
 
 from __future__ import annotations
@@ -37,20 +40,23 @@ from saopd.paths import default_tracking_uri
 
 __all__ = [
     "BASELINE_LABEL",
-    "METHOD_ORDER",
     "UNFINISHED",
     "BenchmarkColumn",
     "NoRunsError",
     "RunQuery",
     "benchmark_columns",
+    "benchmark_label",
     "column_label",
     "download_token_records",
+    "filter_label",
     "is_hyperparameter",
     "load_runs",
     "method_labels",
     "method_name",
+    "method_order",
     "metric_histories",
     "mlflow_client",
+    "objective_label",
     "resolve_tracking_uri",
     "run_seeds",
     "short_values",
@@ -61,38 +67,59 @@ EVAL_METRIC = re.compile(r"^eval/(?P<bench>[^/]+)/avg_at_(?P<k>\d+)$")
 BASELINE_LABEL = "OPD"
 """The label of vanilla OPD (``filter=none``, ``objective=sampled``): the gain column's base."""
 
-FILTER_LABELS: dict[str, str | None] = {
-    "none": None,
-    "sa_opd": "SA-OPD",
-    "random": "Random Filter",
-    "divergence_only": "Divergence-only Filter",
-    "ig_only": "Input-Groundedness-only Filter",
-    "proxy_replacement": "Proxy Replacement",
-    "tip": "TIP",
-    "fire": "FiRe-OPD",
-    "teachability": "TA-OPD",
-    "oracle": "Oracle (positive control)",
-    "oracle_shortcut": "Oracle: shortcut (positive control)",
-}
-"""Paper names of the registered filters (``None``: no filter, the objective names the row)."""
 
-OBJECTIVE_LABELS: dict[str, str | None] = {"sampled": None, "full_kl": "full KL",
-                                           "exopd": "ExOPD", "topk_kl": "top-k KL",
-                                           "entropy_aware": "Entropy-Aware OPD"}
-"""Paper names of the objectives (``None``: the default sampled OPD objective)."""
+def _own(cls: type, attr: str) -> Any:
+    """``attr`` as the registered class itself declares it (None when only inherited)."""
+    return vars(cls).get(attr)
 
-METHOD_ORDER = ("OPD", "ExOPD", "FiRe-OPD", "TIP", "TA-OPD", "Entropy-Aware OPD",
-                "Random Filter", "Divergence-only Filter", "Input-Groundedness-only Filter",
-                "Proxy Replacement", "SA-OPD")
-"""Row order of the paper's Tables 2 and 3: baselines, ablations, SA-OPD last."""
 
-BENCHMARK_LABELS: dict[str, str] = {
-    "math500": "Math500", "amc23": "AMC23", "aime25": "AIME25", "aime24": "AIME24",
-    "minerva_math": "Minerva", "gsm8k": "GSM8K", "evochart": "EvoChart",
-    "mmifeval": "MMIFEval", "countqa": "CountQA", "mathvision": "MathVision",
-    "geo3k": "Geo3K", "mathvista": "MathVista",
-}
-"""Column headers of known benchmarks, in the paper's column order (others follow, sorted)."""
+def filter_label(name: str) -> str | None:
+    """The table name of the registered filter ``name`` (its class's ``label``), None for the
+    ``none`` filter (the objective names the row); the name itself when the filter has no label
+    or is not registered (runs of a filter saopd no longer has)."""
+    from saopd.filters import FILTERS
+
+    if name == "none":
+        return None
+    return (_own(FILTERS.get(name), "label") or name) if name in FILTERS else name
+
+
+def objective_label(name: str) -> str | None:
+    """The table name of the registered objective ``name`` (its class's ``label``), None for
+    ``sampled`` (vanilla OPD's estimator); the name itself when unlabelled or unknown."""
+    from saopd.objectives import OBJECTIVES
+
+    if name == "sampled":
+        return None
+    return (_own(OBJECTIVES.get(name), "label") or name) if name in OBJECTIVES else name
+
+
+def method_order() -> tuple[str, ...]:
+    """Row order of the paper's Tables 2 and 3: :data:`BASELINE_LABEL` first, then every
+    registered filter and standalone objective with a ``table_order`` (baselines, ablations,
+    SA-OPD last), by that order, as the classes declare them."""
+    from saopd.filters import FILTERS
+    from saopd.objectives import OBJECTIVES
+
+    rows = [cls for registry in (FILTERS, OBJECTIVES) for cls in map(registry.get, registry)]
+    ordered = sorted((_own(c, "table_order"), _own(c, "label") or c.name) for c in rows
+                     if _own(c, "table_order") is not None)
+    return (BASELINE_LABEL, *(label for _, label in ordered))
+
+
+def _paper_benchmarks() -> list[Any]:
+    from saopd.eval.benchmarks import BENCHMARKS
+
+    return sorted((r for r in map(BENCHMARKS.get, BENCHMARKS) if r.column is not None),
+                  key=lambda r: r.column)
+
+
+def benchmark_label(name: str) -> str:
+    """The column header of benchmark ``name``: its record's ``label`` (the name when it has
+    none or is not registered)."""
+    from saopd.eval.benchmarks import BENCHMARKS
+
+    return (BENCHMARKS.get(name).label or name) if name in BENCHMARKS else name
 
 
 class NoRunsError(ValueError):
@@ -272,14 +299,20 @@ def _first(*values: Any) -> Any:
 
 def method_name(filter_name: str | None, objective: str | None) -> str:
     """The paper's name for a filter/objective pair (``none``/``sampled`` -> ``OPD``)."""
-    f = FILTER_LABELS.get(filter_name, filter_name) if filter_name else None
+    f = filter_label(filter_name) if filter_name else None
     objective = objective or "sampled"
-    o = OBJECTIVE_LABELS.get(objective, objective)
+    o = objective_label(objective)
     if f is None:
-        if objective in ("exopd", "entropy_aware"):  # methods that are an objective alone
+        if _standalone(objective):  # methods that are an objective alone
             return str(o)
         return BASELINE_LABEL if o is None else f"{BASELINE_LABEL} ({o})"
     return f if o is None else f"{f} ({o})"
+
+
+def _standalone(objective: str) -> bool:
+    from saopd.objectives import OBJECTIVES
+
+    return objective in OBJECTIVES and bool(_own(OBJECTIVES.get(objective), "standalone"))
 
 
 def run_seeds(runs: pd.DataFrame) -> pd.Series:
@@ -402,10 +435,11 @@ def benchmark_columns(runs: pd.DataFrame,
                       benchmarks: Sequence[str] | None = None) -> list[BenchmarkColumn]:
     """The ``eval/<benchmark>/avg_at_<k>`` metrics present in ``runs``, in table order.
 
-    Known benchmarks come in the paper's column order (:data:`BENCHMARK_LABELS`), others after
-    them, sorted. ``benchmarks`` selects and orders them: names (``math500``: every k logged for
-    it) or ``name@k``. Raises :class:`NoRunsError` when the runs hold no such metric or a
-    requested benchmark is missing, naming what is there.
+    The paper's benchmarks come in its column order (each record's ``column``,
+    :class:`saopd.eval.benchmarks.Benchmark`), others after them, sorted. ``benchmarks`` selects
+    and orders them: names (``math500``: every k logged for it) or ``name@k``. Raises
+    :class:`NoRunsError` when the runs hold no such metric or a requested benchmark is missing,
+    naming what is there.
     """
     found = []
     for col in runs.columns:
@@ -419,7 +453,7 @@ def benchmark_columns(runs: pd.DataFrame,
         raise NoRunsError(
             f"no eval/<benchmark>/avg_at_<k> metric in any of the {len(runs)} selected "
             f"run(s): {shown}; evaluate them first: saopd-eval run_id=<run> benchmarks=[...]")
-    known = list(BENCHMARK_LABELS)
+    known = [r.name for r in _paper_benchmarks()]
     found.sort(key=lambda c: (known.index(c.benchmark) if c.benchmark in known else len(known),
                               c.benchmark, c.k))
     if benchmarks is None:
@@ -438,7 +472,7 @@ def benchmark_columns(runs: pd.DataFrame,
 
 def column_label(col: BenchmarkColumn, columns: Sequence[BenchmarkColumn]) -> str:
     """Header text: the paper's name; ``(avg@k)`` added when a benchmark has several k."""
-    name = BENCHMARK_LABELS.get(col.benchmark, col.benchmark)
+    name = benchmark_label(col.benchmark)
     if sum(c.benchmark == col.benchmark for c in columns) > 1:
         return f"{name} (avg@{col.k})"
     return name
