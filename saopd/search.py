@@ -190,9 +190,9 @@ def train_metric_names(filter_cfg: Mapping[str, Any],
     lists, or a tokenizer to name its tokens)."""
     import torch
 
-    from saopd.filters.base import build_filter
+    from saopd.filters.base import FILTERS
     from saopd.lightning.metrics import STEP_METRICS
-    from saopd.objectives.base import build_objective
+    from saopd.objectives.base import OBJECTIVES
     from saopd.signals.token_signals import TokenSignals
 
     gen = torch.Generator().manual_seed(0)
@@ -208,8 +208,8 @@ def train_metric_names(filter_cfg: Mapping[str, Any],
             entropy_teacher=torch.rand(2, 8, generator=gen), kl=torch.rand(2, 8, generator=gen),
             lp_sampler=logprobs(), lp_ref=logprobs(),
             response_ids=torch.randint(5, 50, (2, 8), generator=gen))
-        result = build_filter(**dict(filter_cfg))(signals, generator=gen)
-        out = build_objective(**dict(objective_cfg))(signals, result)
+        result = FILTERS.from_config(filter_cfg)(signals, generator=gen)
+        out = OBJECTIVES.from_config(objective_cfg)(signals, result)
     except Exception:  # needs what a synthetic batch lacks: the trials will tell
         return None
     return {*STEP_METRICS, *STEP_EXTRAS, *result.stats,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from saopd.filters import FILTERS, build_filter
+from saopd.filters import FILTERS
 from saopd.models.tiny import tiny_tokenizer
-from saopd.objectives import OBJECTIVES, aggregate, build_objective
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.signals import TokenSignals
 from tests.conftest import random_signals as plain_signals
 from tests.signals.topk_data import TOPK_K, with_topk
@@ -32,10 +32,10 @@ def random_signals(batch: int, length: int, *, seed: int = 0, dtype: torch.dtype
 
 def step(signals: TokenSignals, filter_name: str, objective_name: str, seed: int = 0,
          **filter_kw: object):
-    token_filter = build_filter(filter_name, **filter_kw)
+    token_filter = FILTERS.build(filter_name, **filter_kw)
     token_filter.bind_tokenizer(tiny_tokenizer())  # what the training module does
     result = token_filter(signals, generator=torch.Generator().manual_seed(seed))
-    out = build_objective(objective_name)(signals, result)
+    out = OBJECTIVES.build(objective_name)(signals, result)
     return result, out, aggregate(out.loss, result.keep)
 
 

@@ -60,9 +60,9 @@ import torch
 
 from saopd.config.step import StepConfig
 from saopd.contexts import TextContexts
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models.loading import init_causal_lm, load_tokenizer
-from saopd.objectives import aggregate, build_objective
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.scoring.passes import (
     ScoringNeeds,
@@ -172,9 +172,9 @@ def one_step(method: str, ctx_builder: TextContexts, engine: HFGenerateEngine,
              autocast: Any) -> dict[str, Any]:
     """One step of ``method``; phase seconds, sampled tokens, scoring FLOPs and the frozen
     scores' largest difference from :func:`score_frozen` (when ``args.check``)."""
-    token_filter = build_filter("sa_opd", p1=0.2, p2=0.3) if method == "sa_opd" else \
-        build_filter("none")
-    objective = build_objective("sampled")
+    token_filter = FILTERS.build("sa_opd", p1=0.2, p2=0.3) if method == "sa_opd" else \
+        FILTERS.build("none")
+    objective = OBJECTIVES.build("sampled")
     needs = ScoringNeeds.of(token_filter, objective)
     device = next(student.parameters()).device
     timer = Timer(device)

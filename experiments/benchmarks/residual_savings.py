@@ -41,9 +41,9 @@ import torch
 from saopd.config.model import ModelConfig
 from saopd.contexts.batch import ContextBatch, PairedContextBatch
 from saopd.contexts.text import collate_contexts
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models.factory import build_model
-from saopd.objectives import aggregate, build_objective
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.prompts.text import GSM8K_DIR, gsm8k_records
 from saopd.rollout.base import SamplingParams
 from saopd.rollout.hf import HFGenerateEngine
@@ -148,8 +148,8 @@ def main() -> None:
                              [r.response_ids for r in rollouts.rollouts],
                              prompt_ids=[r.prompt_ids for r in rollouts.rollouts])
     student.train()
-    objective = build_objective("sampled")
-    variants = {"vanilla": build_filter("none"), "sa_opd": build_filter("sa_opd")}
+    objective = OBJECTIVES.build("sampled")
+    variants = {"vanilla": FILTERS.build("none"), "sa_opd": FILTERS.build("sa_opd")}
 
     # the batch's signals, once, for the candidate structure
     needs = ScoringNeeds(residual=True)

@@ -24,9 +24,9 @@ import torch
 
 from saopd.config.model import ModelConfig
 from saopd.contexts.text import collate_contexts
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models.factory import build_model
-from saopd.objectives import aggregate, build_objective
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many "
@@ -78,8 +78,8 @@ def main() -> None:
                  for _ in range(args.batch)]
     messages = [[{"role": "user", "content": QUESTION}]] * args.batch
     batch = collate_contexts(tok, messages, responses)
-    objective = build_objective("sampled")
-    variants = {"vanilla": build_filter("none"), "sa_opd": build_filter("sa_opd")}
+    objective = OBJECTIVES.build("sampled")
+    variants = {"vanilla": FILTERS.build("none"), "sa_opd": FILTERS.build("sa_opd")}
 
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for i in range(args.repeat + 1):

@@ -51,9 +51,9 @@ import torch
 from saopd.config.step import StepConfig
 from saopd.contexts import TextContexts
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models.loading import load_causal_lm, load_tokenizer
-from saopd.objectives import aggregate, build_objective
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.rollout import HFGenerateEngine, SamplingParams
 from saopd.scoring import passes
 from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
@@ -170,8 +170,8 @@ def main() -> None:
     teacher = load_causal_lm(str(models / "teacher"), dtype="float32").eval()
     teacher.requires_grad_(False)
     contexts = TextContexts(tokenizer)
-    token_filter = build_filter("sa_opd", p1=0.2, p2=0.3)
-    objective = build_objective("sampled")
+    token_filter = FILTERS.build("sa_opd", p1=0.2, p2=0.3)
+    objective = OBJECTIVES.build("sampled")
     needs = ScoringNeeds.of(token_filter, objective)
     prompts = _load_prompts(Path(args.prompts), 64 * args.steps)
     runs = {name: Run(name, student, tokenizer, lr=3e-4) for name in VARIANTS}

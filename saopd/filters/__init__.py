@@ -19,7 +19,6 @@ from saopd.filters.base import (
     FILTERS,
     FilterResult,
     TokenFilter,
-    build_filter,
     filter_stats,
     filtered_loss_mass_ratio,
 )
@@ -33,7 +32,6 @@ __all__ = [
     "SpuriousMask",
     "TeachabilityFilter",
     "TokenFilter",
-    "build_filter",
     "filter_stats",
     "filtered_loss_mass_ratio",
     "spurious_token_mask",

@@ -192,9 +192,6 @@ def result_from_filtered(signals: TokenSignals, filtered: torch.Tensor,
                         stats=filter_stats(signals, filtered, **stats_kwargs))
 
 
+#: Every registered class, by config name: ``FILTERS.build(name, **params)`` or
+#: ``FILTERS.from_config(mapping)`` instantiates one (unknown names or keys raise ``ValueError``).
 FILTERS: Registry[TokenFilter] = Registry("filter")
-
-
-def build_filter(name: str, **params: object) -> TokenFilter:
-    """Instantiate a registered filter by config name (``ValueError`` lists valid names)."""
-    return FILTERS.build(name, **params)

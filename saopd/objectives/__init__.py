@@ -10,7 +10,7 @@ tail bucket, ignored as in verl, or both lists renormalised as in NeMo-RL) and `
 from saopd.choices import AGGREGATIONS
 from saopd.objectives import full_kl, sampled, topk_kl  # noqa: F401  (registration)
 from saopd.objectives.aggregation import aggregate
-from saopd.objectives.base import OBJECTIVES, Objective, ObjectiveOutput, build_objective
+from saopd.objectives.base import OBJECTIVES, Objective, ObjectiveOutput
 from saopd.objectives.sampled import ExOPD, SampledOPD, sampled_opd_loss
 from saopd.objectives.topk_kl import (
     KL_DIRECTIONS,
@@ -32,7 +32,6 @@ __all__ = [
     "SampledOPD",
     "TopKKL",
     "aggregate",
-    "build_objective",
     "sampled_opd_loss",
     "teacher_topk_kl",
 ]

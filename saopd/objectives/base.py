@@ -73,9 +73,7 @@ class Objective:
         raise NotImplementedError
 
 
+#: Every registered class, by config name: ``OBJECTIVES.build(name, **params)`` or
+#: ``OBJECTIVES.from_config(mapping)`` instantiates one (unknown names or keys raise
+#: ``ValueError``).
 OBJECTIVES: Registry[Objective] = Registry("objective")
-
-
-def build_objective(name: str, **params: object) -> Objective:
-    """Instantiate a registered objective by config name (``ValueError`` lists valid names)."""
-    return OBJECTIVES.build(name, **params)

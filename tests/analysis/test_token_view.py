@@ -15,7 +15,7 @@ from saopd.analysis import (
     token_rows_from_batch,
     token_rows_from_signals,
 )
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models import tiny_tokenizer
 from tests.conftest import hand_signals  # the hand-made batch of tests/conftest.py
 
@@ -199,7 +199,7 @@ def test_legend_and_stats_in_header(tok):
 
 def test_rows_stats_match_filter_stats():
     signals = hand_signals()
-    result = build_filter("sa_opd", p1=0.5, p2=0.5)(signals)
+    result = FILTERS.build("sa_opd", p1=0.5, p2=0.5)(signals)
     ids = torch.arange(signals.valid.numel()).view_as(signals.valid) + 10
 
     class _Tok:  # a stand-in tokenizer: ids as text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saopd.filters import FILTERS, build_filter
+from saopd.filters import FILTERS
 from saopd.filters.ablations import CalibratedFilter
 from saopd.signals import TokenSignals
 from tests.conftest import hand_signals, mask_of
@@ -15,24 +15,24 @@ MATCH = {"p1": 0.5, "p2": 0.5}
 
 
 def test_divergence_only_removes_largest_abs_a() -> None:
-    res = build_filter("divergence_only", **MATCH)(hand_signals())
+    res = FILTERS.build("divergence_only", **MATCH)(hand_signals())
     assert res.filtered.tolist() == mask_of({2})  # |A| = 3.0 is the largest
 
 
 def test_ig_only_removes_smallest_grounding_gap() -> None:
-    res = build_filter("ig_only", **MATCH)(hand_signals())
+    res = FILTERS.build("ig_only", **MATCH)(hand_signals())
     assert res.filtered.tolist() == mask_of({3})  # gap 0.0 is the smallest
 
 
 def test_fixed_share_calibration() -> None:
     # share 0.5 of 6 valid tokens = 3: the three largest |A| are t2, t4, t0
-    res = build_filter("divergence_only", share=0.5)(hand_signals())
+    res = FILTERS.build("divergence_only", share=0.5)(hand_signals())
     assert res.filtered.tolist() == mask_of({0, 2, 4})
     assert "grounding_gap_filtered" in res.stats  # residual present, so the gap is reported
 
 
 def test_random_is_reproducible_and_matches_the_count() -> None:
-    f = build_filter("random", share=0.5)
+    f = FILTERS.build("random", share=0.5)
     a = f(hand_signals(), generator=torch.Generator().manual_seed(7))
     b = f(hand_signals(), generator=torch.Generator().manual_seed(7))
     assert torch.equal(a.filtered, b.filtered)
@@ -44,8 +44,8 @@ def test_random_is_reproducible_and_matches_the_count() -> None:
 
 
 def test_random_does_not_need_residual_with_a_fixed_share() -> None:
-    assert build_filter("random", share=0.1).needs == ()
-    assert "lp_teacher_res" in build_filter("random").needs  # matching SA-OPD needs it
+    assert FILTERS.build("random", share=0.1).needs == ()
+    assert "lp_teacher_res" in FILTERS.build("random").needs  # matching SA-OPD needs it
 
 
 def proxy_signals() -> TokenSignals:
@@ -65,10 +65,10 @@ def proxy_signals() -> TokenSignals:
 
 def test_proxy_replacement_uses_teacher_logprob_gap() -> None:
     s = proxy_signals()
-    assert build_filter("sa_opd", p1=0.5, p2=0.5)(s).filtered.tolist() == [[0, 0, 0, 1]]
-    raw = build_filter("proxy_replacement", p1=0.5, p2=0.5, match_sa_opd=False)(s)
+    assert FILTERS.build("sa_opd", p1=0.5, p2=0.5)(s).filtered.tolist() == [[0, 0, 0, 1]]
+    raw = FILTERS.build("proxy_replacement", p1=0.5, p2=0.5, match_sa_opd=False)(s)
     assert raw.filtered.tolist() == [[1, 0, 0, 0]]
-    matched = build_filter("proxy_replacement", p1=0.5, p2=0.5)(s)  # SA-OPD removes 1 token
+    matched = FILTERS.build("proxy_replacement", p1=0.5, p2=0.5)(s)  # SA-OPD removes 1 token
     assert matched.filtered.tolist() == [[1, 0, 0, 0]]
 
 
@@ -83,8 +83,8 @@ def test_the_ablations_are_calibrated() -> None:
 @pytest.mark.parametrize("name", CALIBRATED)
 def test_calibrated_share_matches_sa_opd_within_one_point(name: str, make_signals) -> None:
     s = make_signals(batch=16, length=64, seed=11)
-    sa = build_filter("sa_opd")(s)
-    res = build_filter(name)(s, generator=torch.Generator().manual_seed(0))
+    sa = FILTERS.build("sa_opd")(s)
+    res = FILTERS.build(name)(s, generator=torch.Generator().manual_seed(0))
     assert sa.stats["n_filtered"] > 0
     assert abs(res.stats["filtered_ratio"] - sa.stats["filtered_ratio"]) <= 0.01
     if name in ("random", "divergence_only", "ig_only"):  # exact count: one criterion each
@@ -93,9 +93,9 @@ def test_calibrated_share_matches_sa_opd_within_one_point(name: str, make_signal
 
 def test_calibration_needs_a_share() -> None:
     with pytest.raises(ValueError, match="needs a filtered share"):
-        build_filter("divergence_only", match_sa_opd=False)
+        FILTERS.build("divergence_only", match_sa_opd=False)
     with pytest.raises(ValueError, match=r"share must be in \[0, 1\], got 2"):
-        build_filter("random", share=2)
+        FILTERS.build("random", share=2)
 
 
 # ---- TIP -----------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_tip_keeps_top_rho_per_response() -> None:
         entropy_student=torch.tensor([[0.0, 1.0, 2.0, 4.0], [0.5, 0.5, 0.5, 0.0]]),
         kl=torch.tensor([[1.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.25, 0.0]]),
     )
-    res = build_filter("tip")(s)
+    res = FILTERS.build("tip")(s)
     assert res.keep.tolist() == [[True, False, False, True], [False, False, True, False]]
     assert res.filtered.tolist() == [[False, True, True, False], [True, True, False, False]]
 
@@ -129,7 +129,7 @@ def test_fire_drops_low_teacher_likelihood_responses_and_weights_tokens() -> Non
         entropy_student=torch.ones(5, 2),
         entropy_teacher=torch.tensor([[0.0, 2.0]]).expand(5, 2).clone(),
     )
-    res = build_filter("fire")(s)
+    res = FILTERS.build("fire")(s)
     assert res.filtered[:, 0].tolist() == [False, False, False, False, True]
     expected = torch.tensor([[4 / 3, 2 / 3]] * 4 + [[0.0, 0.0]])
     torch.testing.assert_close(res.weights, expected)
@@ -155,7 +155,7 @@ def test_fire_uses_the_released_quantile_rule(means: list[float], dropped: list[
     valid = torch.ones(n, 3, dtype=torch.bool)
     s = TokenSignals(lp_student=-torch.ones(n, 3), lp_teacher=lp_t, valid=valid,
                      entropy_student=torch.ones(n, 3), entropy_teacher=torch.ones(n, 3))
-    res = build_filter("fire")(s)
+    res = FILTERS.build("fire")(s)
     assert [i for i in range(n) if bool(res.filtered[i].all())] == dropped
     assert not bool((res.filtered.any(1) & ~res.filtered.all(1)).any())  # whole responses
     assert res.stats["dropped_responses"] == float(len(dropped))
@@ -164,13 +164,13 @@ def test_fire_uses_the_released_quantile_rule(means: list[float], dropped: list[
     s2 = TokenSignals(lp_student=-torch.ones(n + 1, 3),
                       lp_teacher=torch.cat([lp_t, torch.full((1, 3), -50.0)]), valid=valid2,
                       entropy_student=torch.ones(n + 1, 3), entropy_teacher=torch.ones(n + 1, 3))
-    assert build_filter("fire")(s2).stats["dropped_responses"] == float(len(dropped))
+    assert FILTERS.build("fire")(s2).stats["dropped_responses"] == float(len(dropped))
 
 
 def test_baselines_report_missing_signals() -> None:
     s = TokenSignals(lp_student=-torch.ones(1, 2), lp_teacher=-torch.ones(1, 2),
                      valid=torch.ones(1, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"filter 'tip' needs .*entropy_student.*kl"):
-        build_filter("tip")(s)
+        FILTERS.build("tip")(s)
     with pytest.raises(ValueError, match=r"rho must be in \[0, 1\]"):
-        build_filter("tip", rho=1.5)
+        FILTERS.build("tip", rho=1.5)

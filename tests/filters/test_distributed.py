@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from saopd.filters import FILTERS, TokenFilter, build_filter
+from saopd.filters import FILTERS, TokenFilter
 from saopd.filters.distributed import batch_global_filter
 from saopd.models.tiny import tiny_tokenizer
 from saopd.signals import TokenSignals
@@ -27,7 +27,7 @@ NARROW = 6  # rank 1's rows are valid only in the first 6 columns: it holds a na
 
 def bound(name: str, **params: object) -> TokenFilter:
     """The filter as the training module holds it (names resolved to the tiny tokenizer's ids)."""
-    token_filter = build_filter(name, **params)
+    token_filter = FILTERS.build(name, **params)
     token_filter.bind_tokenizer(tiny_tokenizer())
     return token_filter
 
@@ -90,5 +90,5 @@ def test_two_ranks_select_what_one_process_selects(tmp_path: Path) -> None:
 
 def test_single_process_falls_back_to_the_local_filter() -> None:
     s = global_batch()
-    local = batch_global_filter(build_filter("sa_opd"), s)
-    assert torch.equal(local.keep, build_filter("sa_opd")(s).keep)
+    local = batch_global_filter(FILTERS.build("sa_opd"), s)
+    assert torch.equal(local.keep, FILTERS.build("sa_opd")(s).keep)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from saopd.filters import build_filter, spurious_token_mask
+from saopd.filters import FILTERS, spurious_token_mask
 from saopd.filters.base import filtered_loss_mass_ratio
 from saopd.filters.ranks import count_for, decimal
 from saopd.signals import TokenSignals
@@ -173,14 +173,14 @@ def test_flmr_never_exceeds_beta_max(seed: int, beta_max: float) -> None:
 
 def test_p1_zero_filters_nothing_and_equals_vanilla_opd() -> None:
     s = hand_signals()
-    sa = build_filter("sa_opd", p1=0.0, p2=0.3, beta_min=0.5)(s)
-    none = build_filter("none")(s)
+    sa = FILTERS.build("sa_opd", p1=0.0, p2=0.3, beta_min=0.5)(s)
+    none = FILTERS.build("none")(s)
     assert torch.equal(sa.keep, none.keep) and torch.equal(sa.weights, none.weights)
     assert sa.stats["flmr"] == 0.0
 
 
 def test_filter_stats_describe_the_set() -> None:
-    res = build_filter("sa_opd", p1=0.5, p2=0.5)(hand_signals())
+    res = FILTERS.build("sa_opd", p1=0.5, p2=0.5)(hand_signals())
     st_ = res.stats
     assert st_["n_valid"] == 6 and st_["n_filtered"] == 1
     assert st_["filtered_ratio"] == pytest.approx(1 / 6)
@@ -197,7 +197,7 @@ def test_filter_stats_entropy_of_filtered_and_kept() -> None:
     """F = {t0} on the hand batch; H_S = 0.5 at t0, 1..5 at t1..t5, 9 at the padding column."""
     signals = dataclasses.replace(
         hand_signals(), entropy_student=torch.tensor([[0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 9.0]]))
-    st_ = build_filter("sa_opd", p1=0.5, p2=0.5)(signals).stats
+    st_ = FILTERS.build("sa_opd", p1=0.5, p2=0.5)(signals).stats
     assert st_["entropy_student_filtered"] == pytest.approx(0.5)
     assert st_["entropy_student_kept"] == pytest.approx(3.0)  # padding's 9 never enters
 
@@ -218,7 +218,7 @@ def test_bad_hyperparameters(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         spurious_token_mask(s.a_full, s.grounding_gap, s.valid, **params)
     with pytest.raises(ValueError, match=match):
-        build_filter("sa_opd", **params)
+        FILTERS.build("sa_opd", **params)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
@@ -249,17 +249,17 @@ def test_shape_mismatch_and_unknown_names() -> None:
     with pytest.raises(ValueError, match=r"delta has shape \(1, 6\) but valid has \(1, 7\)"):
         spurious_token_mask(s.a_full, s.grounding_gap[:, :6], s.valid, p1=0.2, p2=0.3)
     with pytest.raises(ValueError, match=r"unknown filter 'sa-opd'; allowed: .*sa_opd"):
-        build_filter("sa-opd")
+        FILTERS.build("sa-opd")
     with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['beta'\]"):
-        build_filter("sa_opd", beta=0.1)
+        FILTERS.build("sa_opd", beta=0.1)
 
 
 def test_vanilla_signals_cannot_feed_sa_opd() -> None:
     s = TokenSignals(lp_student=-torch.ones(1, 3), lp_teacher=-torch.ones(1, 3),
                      valid=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="filter 'sa_opd' needs TokenSignals field"):
-        build_filter("sa_opd")(s)
-    assert math.isclose(build_filter("none")(s).stats["flmr"], 0.0)
+        FILTERS.build("sa_opd")(s)
+    assert math.isclose(FILTERS.build("none")(s).stats["flmr"], 0.0)
 
 
 def test_coinciding_breakpoints_jump_together() -> None:
@@ -329,4 +329,4 @@ def test_bad_rank_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         spurious_token_mask(a, gap, valid, p1=0.2, p2=0.3, **kwargs)
     with pytest.raises(ValueError, match=match):
-        build_filter("sa_opd", **kwargs)
+        FILTERS.build("sa_opd", **kwargs)

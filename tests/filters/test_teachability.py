@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from saopd.filters import build_filter, teachability_scores
+from saopd.filters import FILTERS, teachability_scores
 from saopd.filters.spread import SPREAD_NOISE_EPS, min_max_normalize, quantile_normalize
 from saopd.signals import TokenSignals
 from tests.helpers.tolerance import assert_float_close
@@ -75,7 +75,7 @@ def test_scores_by_hand() -> None:
 ])
 def test_selection(keep_ratio: float, kept: list[list[int]], topped_up: int) -> None:
     s = _signals()
-    result = build_filter("teachability", keep_ratio=keep_ratio, top_k=1)(s)
+    result = FILTERS.build("teachability", keep_ratio=keep_ratio, top_k=1)(s)
     assert result.keep.nonzero().tolist() == kept
     assert torch.equal(result.keep | result.filtered, s.valid)
     assert result.stats["n_valid"] == 5.0
@@ -138,15 +138,15 @@ def test_compatibility_one_up_to_rounding_does_not_pick_tokens() -> None:
     assert 0 < float(c.max() - c.min()) <= 4 * torch.finfo(torch.float32).eps  # noise, not 0
     assert float(parts["disagreement"].max() - parts["disagreement"].min()) > 0.1  # D varies
     assert parts["score"].tolist() == [0.0] * n
-    kept = build_filter("teachability", keep_ratio=0.1, top_k=k)(s).keep
+    kept = FILTERS.build("teachability", keep_ratio=0.1, top_k=k)(s).keep
     assert kept[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # ties by position
 
 
 def test_larger_k_in_the_signals_is_cut_and_smaller_refused() -> None:
     s = _signals()
     with pytest.raises(ValueError, match=r"teacher's top-16 ids, the signals hold top-1"):
-        build_filter("teachability")(s)
+        FILTERS.build("teachability")(s)
     with pytest.raises(ValueError, match="quantile_low must be < quantile_high"):
-        build_filter("teachability", quantile_low=0.5, quantile_high=0.5)
+        FILTERS.build("teachability", quantile_low=0.5, quantile_high=0.5)
     with pytest.raises(ValueError, match="top_k must be an int >= 1"):
-        build_filter("teachability", top_k=0)
+        FILTERS.build("teachability", top_k=0)

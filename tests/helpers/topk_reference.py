@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from saopd.filters import build_filter
-from saopd.objectives import build_objective
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES
 from saopd.signals import Logits, TokenSignals, score_tokens
 
 __all__ = ["B", "K", "T", "V", "exact_tail", "logits_with_tail", "reference_kl", "run_topk_kl",
@@ -75,7 +75,7 @@ def run_topk_kl(z_s: torch.Tensor, z_t: torch.Tensor, top_k: int = K, lists_only
          **objective: str):
     z = z_s.clone().requires_grad_(True)
     signals = topk_signals(z, z_t, lists_only=lists_only)
-    out = build_objective("topk_kl", top_k=top_k, **objective)(
-        signals, build_filter("none")(signals))
+    out = OBJECTIVES.build("topk_kl", top_k=top_k, **objective)(
+        signals, FILTERS.build("none")(signals))
     out.loss.sum().backward()
     return out, z.grad, signals

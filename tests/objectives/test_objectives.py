@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from saopd.filters import build_filter
-from saopd.objectives import aggregate, build_objective
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES, aggregate
 from saopd.signals import TokenSignals
 
 ALL = torch.ones(1, 2, dtype=torch.bool)
@@ -26,7 +26,7 @@ def test_sampled_loss_by_hand() -> None:
     # A = lpS - lpT = [2, -1]; loss_t = A_t * lpS_t = [-2, 2]; token-mean 0;
     # d loss / d lpS = A / N = [1, -0.5]
     s = signals([-1.0, -2.0], [-3.0, -1.0])
-    out = build_objective("sampled")(s, build_filter("none")(s))
+    out = OBJECTIVES.build("sampled")(s, FILTERS.build("none")(s))
     torch.testing.assert_close(out.loss, torch.tensor([[-2.0, 2.0]]))
     loss = aggregate(out.loss, ALL)
     loss.backward()
@@ -44,7 +44,7 @@ def test_sampled_gradient_equals_a_times_grad_logprob_on_a_tiny_model() -> None:
     lp_t = -3 * torch.rand(2, 6)
     valid = torch.rand(2, 6) < 0.8
     s = TokenSignals(lp_student=lp_s, lp_teacher=lp_t, valid=valid)
-    out = build_objective("sampled")(s, build_filter("none")(s))
+    out = OBJECTIVES.build("sampled")(s, FILTERS.build("none")(s))
     grads = torch.autograd.grad(aggregate(out.loss, valid, "token-sum"), model.parameters(),
                                 retain_graph=True)
     # expected: sum_t A_t * grad lpS_t over valid tokens, A_t = lpS - lpT held constant
@@ -65,30 +65,30 @@ def test_truncated_importance_ratio() -> None:
     # ratio = exp(lpS - lp_sampler): [2, 10] -> truncated at 5 -> coefficients [2 A0, 5 A1]
     lp_sampler = torch.tensor([[-1.0 - math.log(2.0), -2.0 - math.log(10.0)]])
     s = signals([-1.0, -2.0], [-3.0, -1.0], lp_sampler=lp_sampler)
-    out = build_objective("sampled", importance_ratio_cap=5.0)(s, build_filter("none")(s))
+    out = OBJECTIVES.build("sampled", importance_ratio_cap=5.0)(s, FILTERS.build("none")(s))
     torch.testing.assert_close(out.loss, torch.tensor([[2 * 2.0 * -1.0, 5 * -1.0 * -2.0]]))
     assert out.metrics["importance_ratio_clipped"].item() == pytest.approx(0.5)
     with pytest.raises(ValueError, match=r"objective 'sampled' needs .*lp_sampler"):
-        build_objective("sampled", importance_ratio_cap=5.0)(signals([-1.0], [-1.0]),
-                                                             build_filter("none")(s))
+        OBJECTIVES.build("sampled", importance_ratio_cap=5.0)(signals([-1.0], [-1.0]),
+                                                             FILTERS.build("none")(s))
 
 
 def test_exopd_extrapolates_and_reduces_to_opd_at_lambda_one() -> None:
     # c = (lpS - lpRef) - lam (lpT - lpRef) = (-1 + 2) - 1.25 (-3 + 2) = 2.25 for token 0
     ref = torch.tensor([[-2.0, -2.0]])
     s = signals([-1.0, -2.0], [-3.0, -1.0], lp_ref=ref)
-    keep = build_filter("none")(s)
-    ex = build_objective("exopd", lam=1.25)(s, keep)
+    keep = FILTERS.build("none")(s)
+    ex = OBJECTIVES.build("exopd", lam=1.25)(s, keep)
     assert ex.loss[0, 0].item() == pytest.approx(2.25 * -1.0)
-    one = build_objective("exopd", lam=1.0)(s, keep)
-    torch.testing.assert_close(one.loss, build_objective("sampled")(s, keep).loss)
+    one = OBJECTIVES.build("exopd", lam=1.0)(s, keep)
+    torch.testing.assert_close(one.loss, OBJECTIVES.build("sampled")(s, keep).loss)
 
 
 def test_full_kl_objective_passes_gradient_to_kl() -> None:
     kl = torch.tensor([[0.5, 1.5]], requires_grad=True)
     s = signals([-1.0, -2.0], [-3.0, -1.0], kl=kl)
-    res = build_filter("none")(s)
-    loss = aggregate(build_objective("full_kl")(s, res).loss, res.keep)
+    res = FILTERS.build("none")(s)
+    loss = aggregate(OBJECTIVES.build("full_kl")(s, res).loss, res.keep)
     loss.backward()
     assert loss.item() == pytest.approx(1.0)
     torch.testing.assert_close(kl.grad, torch.tensor([[0.5, 0.5]]))
@@ -96,10 +96,10 @@ def test_full_kl_objective_passes_gradient_to_kl() -> None:
 
 def test_filtered_tokens_carry_no_loss_and_weights_scale_it() -> None:
     s = signals([-1.0, -2.0, -0.5], [-3.0, -1.0, -0.1])
-    res = build_filter("none")(s)
+    res = FILTERS.build("none")(s)
     res.keep[0, 1] = False
     res.weights = torch.tensor([[2.0, 0.0, 1.0]])
-    out = build_objective("sampled")(s, res)
+    out = OBJECTIVES.build("sampled")(s, res)
     # A = [2, -1, -0.4]; loss = w * A * lpS = [2*2*-1, 0, -0.4*-0.5]
     torch.testing.assert_close(out.loss, torch.tensor([[-4.0, 0.0, 0.2]]))
 
@@ -150,6 +150,6 @@ def test_aggregation_bad_input() -> None:
         aggregate(LOSS, MASK.float())
     allowed = "allowed: entropy_aware, exopd, full_kl, sampled, topk_kl"
     with pytest.raises(ValueError, match=f"unknown objective 'kl'; {allowed}"):
-        build_objective("kl")
+        OBJECTIVES.build("kl")
     with pytest.raises(ValueError, match=r"ExOPD.lam must be >= 0, got -1"):
-        build_objective("exopd", lam=-1)
+        OBJECTIVES.build("exopd", lam=-1)

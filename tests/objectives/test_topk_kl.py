@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from saopd.filters import build_filter
-from saopd.objectives import build_objective
+from saopd.filters import FILTERS
+from saopd.objectives import OBJECTIVES
 from saopd.signals import TokenSignals
 
 LN = math.log
@@ -45,8 +45,8 @@ REVERSE_00 = 0.125 * LN(0.125 / 0.5) + 0.625 * LN(0.625 / 0.25)  # 0.399395
                                                   ("reverse", REVERSE_00)])
 def test_topk_kl_by_hand(direction: str, value: float) -> None:
     s = _signals()
-    keep = build_filter("none")(s)
-    out = build_objective("topk_kl", direction=direction, top_k=2)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("topk_kl", direction=direction, top_k=2)(s, keep)
     torch.testing.assert_close(out.loss, torch.tensor([[value, 0.0, 0.0]]), atol=1e-6, rtol=0)
     assert out.metrics[f"kl_topk_{direction}"].item() == pytest.approx(value / 2, abs=1e-6)
     out.loss.sum().backward()
@@ -68,8 +68,8 @@ RENORM_00 = {"forward": LN(2) / 3, "reverse": LN(2) / 3}
 @pytest.mark.parametrize(("tail", "values"), [("none", NONE_00), ("renormalize", RENORM_00)])
 def test_released_tail_modes_by_hand(direction: str, tail: str, values: dict) -> None:
     s = _signals()
-    keep = build_filter("none")(s)
-    out = build_objective("topk_kl", direction=direction, top_k=2, tail=tail)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("topk_kl", direction=direction, top_k=2, tail=tail)(s, keep)
     torch.testing.assert_close(out.loss[0, 0], torch.tensor(values[direction]), rtol=1e-6,
                                atol=1e-7)
     assert abs(out.loss[0, 1].item()) < 1e-6  # the two agree at [0, 1]
@@ -80,7 +80,7 @@ def test_released_tail_modes_by_hand(direction: str, tail: str, values: dict) ->
     if (tail, direction) in expected:
         torch.testing.assert_close(s.leaf.grad[0, 0], torch.tensor(expected[tail, direction]))
     with pytest.raises(ValueError, match="tail must be one of"):
-        build_objective("topk_kl", tail="dropped")
+        OBJECTIVES.build("topk_kl", tail="dropped")
 
 
 def test_tail_metrics_say_where_a_list_only_tail_was_floored() -> None:
@@ -89,36 +89,36 @@ def test_tail_metrics_say_where_a_list_only_tail_was_floored() -> None:
     s = _signals()
     assert s.teacher_topk_lp_teacher is not None
     s.teacher_topk_lp_teacher[0, 1] = torch.tensor([0.9, 0.1]).log()
-    keep = build_filter("none")(s)
-    out = build_objective("topk_kl", direction="reverse", top_k=2)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("topk_kl", direction="reverse", top_k=2)(s, keep)
     assert out.metrics["topk_tail_exact_teacher"].item() == 0.0
     assert out.metrics["topk_tail_floored"].item() == 0.5  # one of the two valid positions
     # reverse at [0, 1]: p = [0.6, 0.3], P_tail = 0.1 against the floored Q_tail = 1e-6
     expected = 0.6 * LN(0.6 / 0.9) + 0.3 * LN(0.3 / 0.1) + 0.1 * (LN(0.1) - LN(1e-6))
     assert out.loss[0, 1].item() == pytest.approx(expected, rel=1e-5)
-    ea = build_objective("entropy_aware", top_k=2)(s, keep)
+    ea = OBJECTIVES.build("entropy_aware", top_k=2)(s, keep)
     assert ea.metrics["topk_tail_floored"].item() == 0.5
 
 
 def test_topk_kl_uses_the_first_k_columns() -> None:
     s = _signals()
-    keep = build_filter("none")(s)
-    out = build_objective("topk_kl", top_k=1)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("topk_kl", top_k=1)(s, keep)
     # K = 1 at [0, 0]: q = [0.5] (tail 0.5), p = [0.125] (tail 0.875)
     expected = 0.5 * LN(0.5 / 0.125) + 0.5 * LN(0.5 / 0.875)
     assert out.loss[0, 0].item() == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match="the teacher's top-32 is needed, the signals hold top-2"):
-        build_objective("topk_kl")(s, keep)
+        OBJECTIVES.build("topk_kl")(s, keep)
     with pytest.raises(ValueError, match="direction must be one of"):
-        build_objective("topk_kl", direction="both")
+        OBJECTIVES.build("topk_kl", direction="both")
 
 
 def test_entropy_aware_by_hand() -> None:
     """loss_t = A_t * lpS + 1[H_T > 0.8] * forward KL_2: H_T = 1.0 at [0, 0] (gated in),
     0.5 at [0, 1] (out)."""
     s = _signals()
-    keep = build_filter("none")(s)
-    out = build_objective("entropy_aware", top_k=2)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("entropy_aware", top_k=2)(s, keep)
     a = [-1.0 - (-2.0), -0.5 - (-0.25)]  # A = lpS - lpT
     expected = [a[0] * -1.0 + FORWARD_00, a[1] * -0.5]
     torch.testing.assert_close(out.loss, torch.tensor([[*expected, 0.0]]), atol=1e-6, rtol=0)
@@ -129,13 +129,13 @@ def test_entropy_aware_by_hand() -> None:
     torch.testing.assert_close(s.leaf.grad[0, 0], torch.tensor([-0.45, -0.15]))
     # coef 0, or a threshold above every entropy: vanilla OPD
     for kw in ({"coef": 0.0}, {"entropy_threshold": 5.0}):
-        plain = build_objective("entropy_aware", top_k=2, **kw)(_signals(), keep)
+        plain = OBJECTIVES.build("entropy_aware", top_k=2, **kw)(_signals(), keep)
         torch.testing.assert_close(plain.loss, torch.tensor([[a[0] * -1.0, a[1] * -0.5, 0.0]]))
 
 
 def test_entropy_aware_threshold_is_strict() -> None:
     s = _signals(student_grad=False)
-    keep = build_filter("none")(s)
-    out = build_objective("entropy_aware", top_k=2, entropy_threshold=1.0)(s, keep)
+    keep = FILTERS.build("none")(s)
+    out = OBJECTIVES.build("entropy_aware", top_k=2, entropy_threshold=1.0)(s, keep)
     assert out.metrics["entropy_gated_share"].item() == 0.0
-    assert build_objective("entropy_aware", importance_ratio_cap=5.0).needs[-1] == "lp_sampler"
+    assert OBJECTIVES.build("entropy_aware", importance_ratio_cap=5.0).needs[-1] == "lp_sampler"

@@ -26,9 +26,9 @@ import yaml
 
 from saopd.config.teacher_scoring import TeacherScoringConfig
 from saopd.contexts.text import collate_contexts
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
-from saopd.objectives import build_objective
+from saopd.objectives import OBJECTIVES
 from saopd.scoring.hf_teacher import HFTeacherScorer
 from saopd.scoring.passes import (
     ScoringNeeds,
@@ -264,8 +264,8 @@ def test_hf_scorer_is_the_in_trainer_teacher(setup) -> None:
 def test_top_k_serves_the_teacher_top_k_fields_and_a_tail_bucket_entropy(setup, server) -> None:
     tok, teacher, student, messages, responses = setup
     batch = collate_contexts(tok, messages, responses)
-    objective = build_objective("topk_kl", top_k=4)
-    needs = ScoringNeeds.of(build_filter("none"), objective, extra=("entropy_teacher",))
+    objective = OBJECTIVES.build("topk_kl", top_k=4)
+    needs = ScoringNeeds.of(FILTERS.build("none"), objective, extra=("entropy_teacher",))
     assert needs.teacher_top_k == 4
     with torch.no_grad():
         ref = score_student(batch, score_frozen(batch, student=student, teacher=teacher,
@@ -304,7 +304,7 @@ def test_top_k_serves_the_teacher_top_k_fields_and_a_tail_bucket_entropy(setup, 
                                    r"the student's top-16 tokens"),
 ])
 def test_what_needs_more_than_sampled_log_probs_is_refused(group, name, kwargs, match) -> None:
-    build = build_filter if group == "filter" else build_objective
+    build = FILTERS.build if group == "filter" else OBJECTIVES.build
     component = build(name, **kwargs)
     with pytest.raises(ValueError, match=match):
         check_servable({f"{group}={name}": component}, "vllm", 0)
@@ -312,17 +312,17 @@ def test_what_needs_more_than_sampled_log_probs_is_refused(group, name, kwargs, 
 
 
 def test_top_k_lifts_only_what_it_approximates() -> None:
-    comps = {"objective=topk_kl": build_objective("topk_kl"),
-             "objective=entropy_aware": build_objective("entropy_aware"),
-             "filter=fire": build_filter("fire"),
-             "objective=full_kl": build_objective("full_kl"),
-             "filter=teachability": build_filter("teachability")}
+    comps = {"objective=topk_kl": OBJECTIVES.build("topk_kl"),
+             "objective=entropy_aware": OBJECTIVES.build("entropy_aware"),
+             "filter=fire": FILTERS.build("fire"),
+             "objective=full_kl": OBJECTIVES.build("full_kl"),
+             "filter=teachability": FILTERS.build("teachability")}
     left = unservable(comps, 32)
     assert [m.split(" ")[0] for m in left] == ["objective=full_kl", "filter=teachability"]
     assert len(unservable(comps, 16)) == 3  # topk_kl's K = 32 > 16
     for ok in ("sa_opd", "none", "random", "divergence_only", "proxy_replacement"):
-        check_servable({f"filter={ok}": build_filter(ok),
-                        "objective=exopd": build_objective("exopd")}, "vllm_server", 0)
+        check_servable({f"filter={ok}": FILTERS.build(ok),
+                        "objective=exopd": OBJECTIVES.build("exopd")}, "vllm_server", 0)
 
 
 # ---- failures ---------------------------------------------------------------------------------

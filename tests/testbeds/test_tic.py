@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from saopd.config.model import ModelConfig, TicConfig
-from saopd.filters import build_filter
+from saopd.filters import FILTERS
 from saopd.filters.oracle import tic_positions, tic_token_ids
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.stages.testbed import (
@@ -178,7 +178,7 @@ def test_oracles_remove_the_slot_or_the_tic() -> None:
     s.valid, s.response_ids = valid, ids
     masks = {}
     for target in ("slot", "tic"):
-        f = build_filter("oracle", target=target)
+        f = FILTERS.build("oracle", target=target)
         with pytest.raises(ValueError, match="bind_tokenizer"):
             f(s)
         f.bind_tokenizer(tok)
@@ -187,7 +187,7 @@ def test_oracles_remove_the_slot_or_the_tic() -> None:
     assert masks["slot"][1, 2] and not masks["tic"][1].any()  # the EOS at the slot
     assert int(masks["slot"].sum()) == len(tic) + 1 and not masks["slot"][2].any()
     with pytest.raises(ValueError, match=r"filter\.target must be one of"):
-        build_filter("oracle", target="all")
+        FILTERS.build("oracle", target="all")
 
 
 def test_the_tic_is_written_after_the_answer_line_and_graded_as_the_answer() -> None:
@@ -251,7 +251,7 @@ def test_shortcut_oracle_removes_the_first_solution_token() -> None:
     s.valid, s.response_ids = valid, ids
     got = {}
     for target in ("slot", "shortcut"):
-        f = build_filter("oracle_shortcut", target=target)
+        f = FILTERS.build("oracle_shortcut", target=target)
         f.bind_tokenizer(tok)
         got[target] = [[j for j in range(len(r)) if f(s).filtered[i, j]]
                        for i, r in enumerate(rows)]
@@ -259,4 +259,4 @@ def test_shortcut_oracle_removes_the_first_solution_token() -> None:
     assert got["slot"] == [[0], [n], [0], [n]]
     assert got["shortcut"] == [[0], [n], [], []]
     with pytest.raises(ValueError, match=r"filter\.target must be one of"):
-        build_filter("oracle_shortcut", target="all")
+        FILTERS.build("oracle_shortcut", target="all")

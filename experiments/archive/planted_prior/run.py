@@ -167,7 +167,7 @@ def source_classes(d_s: torch.Tensor, d_g: torch.Tensor, valid: torch.Tensor,
 
 def filter_rates(args: argparse.Namespace) -> dict[str, Any]:
     from saopd.contexts.text import collate_contexts
-    from saopd.filters import build_filter
+    from saopd.filters import FILTERS
     from saopd.rollout.base import SamplingParams
     from saopd.rollout.hf import HFGenerateEngine
     from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student
@@ -204,7 +204,7 @@ def filter_rates(args: argparse.Namespace) -> dict[str, Any]:
                          for c, m in classes.items()}
         for name in FILTERS:
             generator = torch.Generator().manual_seed(seed)
-            result = build_filter(name, **filter_params(args))(signals, generator=generator)
+            result = FILTERS.build(name, **filter_params(args))(signals, generator=generator)
             f = result.filtered
             entry: dict[str, Any] = {
                 "filtered_share": result.stats["filtered_ratio"], "flmr": result.stats["flmr"],
