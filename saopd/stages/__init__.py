@@ -7,7 +7,7 @@ params helpers, the seeded sampler), :mod:`~saopd.stages.math` (``prepare_eval``
 ``prepare_train``), :mod:`~saopd.stages.synth_vqa` (``prepare_vlm``),
 :mod:`~saopd.stages.paper_vlm` (``prepare_vlm_understanding``, ``prepare_vlm_reasoning``) and
 :mod:`~saopd.stages.vlm_eval` (``prepare_vlm_eval``), the last two reading hub/local tables
-(:mod:`~saopd.stages.tables`) and writing rows with images (:mod:`~saopd.stages.vlm_rows`).
+(:mod:`~saopd.stages.readers`) and writing rows with images (:mod:`~saopd.stages.vlm_rows`).
 
 Importing this package registers every stage. None of the stage modules imports torch, PIL,
 pyarrow or ``datasets`` at import time: a stage imports what it needs when it runs.

@@ -7,7 +7,7 @@
 
 Each writes ``<out_dir>/train.jsonl``, its images and ``report.json``
 (:func:`saopd.stages.vlm_rows.write_item_folder`) from the hub or a local export
-(:mod:`saopd.stages.tables`; ``source: none``, the default in ``params.yaml``, prepares nothing).
+(:mod:`saopd.stages.readers`; ``source: none``, the default in ``params.yaml``, prepares nothing).
 The six benchmarks are :mod:`saopd.stages.vlm_eval`.
 
 Sampling: rows are filtered (VERO-600K: category column in ``categories``), then
@@ -55,7 +55,7 @@ from saopd.stages.common import (
     seeded_sample,
     shown_path,
 )
-from saopd.stages.tables import Table, open_table, row_value, source_param
+from saopd.stages.readers import Table, open_table, row_value, source_param
 from saopd.stages.vlm_rows import (
     Item,
     as_list,

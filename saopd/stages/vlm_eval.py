@@ -3,7 +3,7 @@
 EvoChart, MMIFEval, CountQA, MathVision, Geo3K and MathVista (testmini) ->
 ``data/prepared/vlm_eval/<name>.jsonl``, their images under ``images/<name>/`` and
 ``report.json`` (:func:`saopd.stages.vlm_rows.write_item_folder`), from the hub or a local export
-per benchmark (:mod:`saopd.stages.tables`; ``source: none``, the default in ``params.yaml``,
+per benchmark (:mod:`saopd.stages.readers`; ``source: none``, the default in ``params.yaml``,
 prepares nothing). One converter per benchmark (:data:`BENCHMARK_CONVERTERS`) turns a row into
 zero or more items and says how the answer is graded (``metadata.format``).
 
@@ -56,7 +56,7 @@ from saopd.stages.common import (
     resolve_path,
     shown_path,
 )
-from saopd.stages.tables import open_table, row_value, source_param
+from saopd.stages.readers import open_table, row_value, source_param
 from saopd.stages.vlm_rows import (
     Item,
     as_list,

@@ -1,6 +1,6 @@
 """The paper's VLM training stages (saopd.stages.paper_vlm) on tiny local fixtures in each
 dataset's row format (parquet with ``{"bytes", "path"}`` images, as ``datasets``/the hub write
-them), and their hub and local sources (saopd.stages.tables): conversion, the seeded 10% sample,
+them), and their hub and local sources (saopd.stages.readers): conversion, the seeded 10% sample,
 bad rows, ``source: none``."""
 
 from __future__ import annotations
