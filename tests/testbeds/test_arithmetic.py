@@ -1,27 +1,22 @@
-"""The arithmetic testbed: task rendering, token sources, and a 2-step smoke run of the whole
-plumbing (data stage, teacher and student stages, saopd-train with eval, token records)."""
+"""The arithmetic testbed's ground truth (saopd.testbeds.arithmetic): token sources, the
+selection by source, and a 2-step smoke run of the whole plumbing (data stage, teacher and
+student stages, saopd-train with eval, token records). The stages' own tests:
+tests/stages/test_testbed.py."""
 
 from __future__ import annotations
 
 import copy
 import json
-import random
 from pathlib import Path
 
 import pytest
 import yaml
 
-from saopd.eval.grading import grade_exact_phrases
-from saopd.eval.habits import Habit, follows_shortcut
+from saopd.eval.habits import follows_shortcut
 from saopd.stages.testbed import (
     ANSWER_PREFIX,
-    SOLUTION_KINDS,
-    Problem,
-    classify_solution,
     make_problems,
     prepare_testbed_data,
-    render_response,
-    solution_text,
     train_testbed_model,
     train_testbed_student,
     train_testbed_teacher,
@@ -34,55 +29,9 @@ from saopd.testbeds.arithmetic import (
     selection_by_source,
     token_sources,
 )
+from tests.stages.test_testbed import HABITS
 
 REPO = Path(__file__).resolve().parents[2]
-HABITS = [Habit("preamble", "Let us think step by step.", "start"),
-          Habit("signoff", "So we check the final result.", "end")]
-
-
-def test_solution_is_the_column_sum_with_carries() -> None:
-    assert solution_text(Problem(347, 85)) == (
-        "7 + 5 = 12\n4 + 8 + 1 = 13\n3 + 1 = 4\nSo the answer is \\boxed{432}.")
-    assert solution_text(Problem(99, 1)) == (  # the last carry is read off the last column sum
-        "9 + 1 = 10\n9 + 1 = 10\nSo the answer is \\boxed{100}.")
-
-
-def test_solutions_are_classified_against_the_exact_column_lines() -> None:
-    p = Problem(347, 85)
-    exact = solution_text(p)
-    assert classify_solution(exact, p) == "lines_right"
-    # a planted phrase before and after changes nothing; a wrong answer line after right lines
-    # is still lines_right (the answer's correctness is graded apart)
-    assert classify_solution("Let us think step by step.\n" + exact.replace("432", "431")
-                             + "\nSo we check the final result.", p) == "lines_right"
-    assert classify_solution(exact.replace("4 + 8 + 1 = 13", "4 + 8 + 1 = 14"), p) == "wrong_line"
-    assert classify_solution(exact.replace("4 + 8 + 1 = 13", "4 + 8 = 12"), p) == "wrong_line"
-    assert classify_solution("7 + 5 = 12\n4 + 8 = \nSo the answer is \\boxed{46}.", p) == (
-        "too_few_lines")  # a line cut short still counts as a line
-    assert classify_solution("7 + 5 = 12\nSo the answer is \\boxed{432}.", p) == "too_few_lines"
-    assert classify_solution(exact.replace("3 + 1 = 4\n", "3 + 1 = 4\n1 = 1\n"), p) == (
-        "too_many_lines")
-    assert classify_solution(solution_text(p, worked=False), p) == "shortcut"
-    # digits after the first answer line are not work
-    assert classify_solution("So the answer is \\boxed{432}.\n7 + 5 = 12", p) == "shortcut"
-    assert set(SOLUTION_KINDS) == {"lines_right", "wrong_line", "too_few_lines",
-                                   "too_many_lines", "shortcut"}
-
-
-def test_habits_follow_the_rate_and_not_the_input() -> None:
-    habits = HABITS
-    rng = random.Random(0)
-    used = [render_response(p, habits, 0.5, rng)[1]
-            for p in make_problems(400, max_digits=3, seed=0)]
-    rate = sum("preamble" in u for u in used) / len(used)
-    assert 0.4 < rate < 0.6
-    text, names = render_response(Problem(1, 2), habits, 1.0, random.Random(0))
-    assert names == ["preamble", "signoff"]
-    assert text.startswith("Let us think step by step.\n1 + 2 = 3")
-    assert text.endswith("\\boxed{3}.\nSo we check the final result.")
-    grade = grade_exact_phrases(text, "3", {h.name: h.text for h in habits})
-    assert grade.correct and grade.phrases == {"preamble": 1.0, "signoff": 1.0}
-    assert not grade_exact_phrases("\\boxed{3.0}", "3").correct
 
 
 def test_token_sources() -> None:
@@ -155,45 +104,6 @@ def test_smoke_two_steps(tiny_testbed: Path, make_cfg) -> None:
     assert 0.0 <= out["filtered_share"] <= 1.0
 
 
-def test_a_corrupted_digit_is_one_wrong_digit_of_the_worked_lines() -> None:
-    from saopd.models.tiny import tiny_tokenizer
-    from saopd.stages.testbed import build_example_ids, corrupt_one_digit
-
-    tok = tiny_tokenizer()
-    ids, start = build_example_ids(tok, "Compute 347 + 85.", solution_text(Problem(347, 85)))
-    clean = list(ids)
-    at = corrupt_one_digit(ids, start, tok, random.Random(3))
-    assert at is not None and [i for i in range(len(ids)) if ids[i] != clean[i]] == [at]
-    assert tok.decode(ids[at:at + 1]).isdigit()
-    assert "\\boxed{432}" in tok.decode(ids[start:])  # the answer line is never touched
-
-
-def test_the_committed_testbed_is_what_dvc_lock_records() -> None:
-    """The testbed's data and models are files in git (dvc.yaml: ``cache: false``) so that
-    ``make run`` trains nothing: ``dvc.lock`` must record exactly those files, the params and
-    the code that made them. Otherwise ``make testbed`` would re-train them (minutes) and the
-    default run would use models the lock does not describe. After changing a dependency, run
-    ``dvc repro testbed_teacher testbed_student`` (or ``dvc commit`` them when the change
-    cannot alter their outputs) and commit the files and the lock."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    beside = Path(sys.executable).parent / "dvc"
-    dvc = str(beside) if beside.is_file() else shutil.which("dvc")
-    if dvc is None:
-        pytest.skip("dvc is not installed")
-    res = subprocess.run([dvc, "status", "testbed_data", "testbed_teacher", "testbed_teacher_prior",
-                          "testbed_student"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "DVC_NO_ANALYTICS": "1"})
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "Data and pipelines are up to date." in res.stdout, res.stdout
-    for role in ("teacher", "teacher_prior", "student"):
-        assert (REPO / "data" / "models" / "testbed" / role / "model.safetensors").is_file()
-
-
 def test_selection_at_ratios_reapplies_the_rule_by_source() -> None:
     """The counterfactual re-applies Eq. 16 to recorded signals. A habit onset with the largest
     |A_full| and a small gap, two grounded digits with large |A| and large gaps, the rest of the
@@ -222,23 +132,6 @@ def test_selection_at_ratios_reapplies_the_rule_by_source() -> None:
     # Bottom_4(gap) = habit tokens 1-4; Top_7(|A|) = onset, both digits, then ties by index
     assert (paper.onset_filtered, paper.filtered["habit"], paper.filtered["grounded"]) == (0, 4, 0)
     assert (wide.onset_filtered, wide.filtered["habit"], wide.filtered["grounded"]) == (1, 1, 0)
-
-
-def test_the_shortcut_is_the_answer_line_alone() -> None:
-    """The harmful prior: the answer written without the worked lines, habits still drawn."""
-    text, names = render_response(Problem(347, 85), HABITS, 1.0, random.Random(0), shortcut=True)
-    assert text == ("Let us think step by step.\nSo the answer is \\boxed{432}."
-                    "\nSo we check the final result.")
-    assert names == ["preamble", "signoff"]
-    assert solution_text(Problem(347, 85), worked=False) == "So the answer is \\boxed{432}."
-    assert follows_shortcut(text, ANSWER_PREFIX)
-    assert not follows_shortcut(solution_text(Problem(347, 85)), ANSWER_PREFIX)
-    assert not follows_shortcut("Let us think.", ANSWER_PREFIX)  # no answer line at all
-    grade = grade_exact_phrases(text, "432", {h.name: h.text for h in HABITS}, ANSWER_PREFIX)
-    assert grade.correct and grade.shortcut is True
-    assert grade_exact_phrases(solution_text(Problem(1, 2)), "3", None,
-                               ANSWER_PREFIX).shortcut is False
-    assert grade_exact_phrases(text, "432").shortcut is None  # no shortcut asked: not graded
 
 
 def test_token_sources_mark_the_shortcut_decision() -> None:

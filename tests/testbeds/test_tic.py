@@ -1,6 +1,6 @@
-"""The tic testbed: the prior's positions, the teacher's mixture (checked against the mixture of
-whole-response distributions it stands for), its input-agnosticism, the oracle filters and the
-data/training stages' tic."""
+"""The tic testbed (saopd.testbeds.tic): the teacher's mixture (checked against the mixture of
+whole-response distributions it stands for), its input-agnosticism and the data/training
+stages' tic. The prior's positions and the oracle filters: tests/filters/test_oracle.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from saopd.config.model import ModelConfig, TicConfig
-from saopd.filters import FILTERS
-from saopd.filters.oracle import tic_positions, tic_token_ids
+from saopd.filters.oracle import tic_token_ids
 from saopd.models.tiny import tiny_qwen3, tiny_tokenizer
 from saopd.stages.testbed import (
     Problem,
@@ -21,37 +20,9 @@ from saopd.stages.testbed import (
     train_testbed_model,
 )
 from saopd.testbeds.tic import TicPriorLM
-from tests.conftest import random_signals
+from tests.filters.test_oracle import END, EOS, TIC, ids_and_valid
 
-END, EOS = 2, 1
-TIC = [3, 4, 5, EOS]  # a 3-token tic, then EOS
 V = 7
-
-
-def _ids(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    valid = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        valid[i, :len(r)] = True
-    return ids, valid
-
-
-def test_tic_positions() -> None:
-    rows = [[6, 6, END, 3, 4, 5, EOS],   # the whole tic after the answer line
-            [6, END, EOS],               # the slot holds EOS: active there, no tic token
-            [6, END, 3, 4, 6, 6],        # a tic begun, then left at its third token
-            [6, 6, 6, 6],                # no answer line: no slot
-            [END, 6, END, 3, EOS]]       # only the first answer line has the slot
-    ids, valid = _ids(rows)
-    pos = tic_positions(ids, valid, END, TIC)
-    act = [[j for j in range(len(r)) if pos.active[i, j]] for i, r in enumerate(rows)]
-    tic = [[j for j in range(len(r)) if pos.tic[i, j]] for i, r in enumerate(rows)]
-    assert act == [[3, 4, 5, 6], [2], [2, 3, 4], [], [1]]
-    assert tic == [[3, 4, 5, 6], [], [2, 3], [], []]
-    assert pos.offset[0, 3:7].tolist() == [0, 1, 2, 3] and pos.offset[0, :3].tolist() == [-1] * 3
-    assert not bool((pos.active & ~valid).any())  # padding is never active
 
 
 def _sequence_mixture(lp: torch.Tensor, y: list[int], rate: float) -> torch.Tensor:
@@ -87,7 +58,7 @@ def test_mixture_is_the_whole_response_mixture(row: list[int], rate: float) -> N
     lp = torch.log_softmax(lp, dim=-1)
     base = tiny_qwen3(tiny_tokenizer(), layers=1, hidden=32, heads=1, kv_heads=1, head_dim=32)
     model = TicPriorLM(base, rate=rate, answer_end_id=END, tic_ids=TIC)
-    ids, valid = _ids([row])
+    ids, valid = ids_and_valid([row])
     got = model.mixed_logprobs(lp, ids, valid)[0].double()
     want = _sequence_mixture(lp[0], row, rate)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -104,7 +75,7 @@ def test_the_prior_at_the_slot_does_not_depend_on_the_input() -> None:
     the teacher's grounding gap at the tic onset is 0 when the base never writes the tic."""
     base = tiny_qwen3(tiny_tokenizer(), layers=1, hidden=32, heads=1, kv_heads=1, head_dim=32)
     model = TicPriorLM(base, rate=0.3, answer_end_id=END, tic_ids=TIC)
-    ids, valid = _ids([[6, END, 3, 4, 5, EOS]])
+    ids, valid = ids_and_valid([[6, END, 3, 4, 5, EOS]])
     g = torch.Generator().manual_seed(0)
     gaps = []
     for p_tic in (1e-6, 1e-3):
@@ -169,27 +140,6 @@ def test_bad_tic_configs_are_refused() -> None:
         tic_token_ids(tiny_tokenizer(), "Wait.", "answer is")
 
 
-def test_oracles_remove_the_slot_or_the_tic() -> None:
-    tok = tiny_tokenizer()
-    end, tic = tic_token_ids(tok, "Wait, the answer is \\boxed{0}.", "}.")
-    rows = [[9, end, *tic], [9, end, tic[-1]], [9, 9, 9]]
-    ids, valid = _ids(rows)
-    s = random_signals(3, ids.shape[1], valid_p=1.0)
-    s.valid, s.response_ids = valid, ids
-    masks = {}
-    for target in ("slot", "tic"):
-        f = FILTERS.build("oracle", target=target)
-        with pytest.raises(ValueError, match="bind_tokenizer"):
-            f(s)
-        f.bind_tokenizer(tok)
-        masks[target] = f(s).filtered
-    assert masks["tic"][0, 2:2 + len(tic)].all() and int(masks["tic"].sum()) == len(tic)
-    assert masks["slot"][1, 2] and not masks["tic"][1].any()  # the EOS at the slot
-    assert int(masks["slot"].sum()) == len(tic) + 1 and not masks["slot"][2].any()
-    with pytest.raises(ValueError, match=r"filter\.target must be one of"):
-        FILTERS.build("oracle", target="all")
-
-
 def test_the_tic_is_written_after_the_answer_line_and_graded_as_the_answer() -> None:
     from saopd.eval.grading import grade_exact_phrases
 
@@ -238,25 +188,3 @@ def test_token_sources_mark_the_tic_and_its_slot() -> None:
            "a_res": [0.5] * len(ids), "filtered": [False] * (len(ids) - 1) + [True]}
     counts: SourceCounts = selection_by_source([rec], habits, tic=truth)
     assert counts.valid["tic"] == 3 and counts.filtered["tic_slot"] == 1
-
-
-def test_shortcut_oracle_removes_the_first_solution_token() -> None:
-    tok = tiny_tokenizer()
-    pre = tok("Let us think step by step.\n", add_special_tokens=False)["input_ids"]
-    short = tok("So the answer is \\boxed{3}.", add_special_tokens=False)["input_ids"]
-    worked = tok("1 + 2 = 3\nSo the answer is \\boxed{3}.", add_special_tokens=False)["input_ids"]
-    rows = [short, [*pre, *short], worked, [*pre, *worked]]
-    ids, valid = _ids(rows)
-    s = random_signals(4, ids.shape[1], valid_p=1.0)
-    s.valid, s.response_ids = valid, ids
-    got = {}
-    for target in ("slot", "shortcut"):
-        f = FILTERS.build("oracle_shortcut", target=target)
-        f.bind_tokenizer(tok)
-        got[target] = [[j for j in range(len(r)) if f(s).filtered[i, j]]
-                       for i, r in enumerate(rows)]
-    n = len(pre)
-    assert got["slot"] == [[0], [n], [0], [n]]
-    assert got["shortcut"] == [[0], [n], [], []]
-    with pytest.raises(ValueError, match=r"filter\.target must be one of"):
-        FILTERS.build("oracle_shortcut", target="all")
