@@ -40,7 +40,7 @@ def test_a_jsonl_table_reads_columns_rows_and_names_its_lines(tmp_path: Path) ->
 
 def test_a_bad_jsonl_line_is_named_or_skipped_and_counted(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "d.jsonl", ROWS, bad_line=True)
-    with pytest.raises(PrepareError, match="d.jsonl:2"):
+    with pytest.raises(PrepareError, match=r"d\.jsonl:2"):
         local_table(path, "d.jsonl", StageReport("d"), False)
     report = StageReport("d")
     table = local_table(path, "d.jsonl", report, True)
@@ -71,7 +71,7 @@ def test_a_folder_with_one_jsonl_and_the_errors_for_the_rest(tmp_path: Path) -> 
     with pytest.raises(PrepareError, match=r"empty: no .parquet files \(or one .jsonl file\)"):
         local_table(tmp_path / "empty", "empty", StageReport("e"), False)
     (tmp_path / "x.csv").write_text("id\n1\n")
-    with pytest.raises(PrepareError, match="x.csv: local input not found or not"):
+    with pytest.raises(PrepareError, match=r"x\.csv: local input not found or not"):
         local_table(tmp_path / "x.csv", "x.csv", StageReport("x"), False)
 
 
