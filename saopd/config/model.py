@@ -111,7 +111,7 @@ class ModelConfig:
             and Qwen3.5).
         planted: wrap the model in :class:`saopd.testbeds.planted.PlantedPriorLM`, a teacher
             with a known spurious prior and a known grounded bias (the planted-prior testbed,
-            ``experiments/planted_prior``); text models only.
+            ``experiments/archive/planted_prior``); text models only.
         tic: wrap the model in :class:`saopd.testbeds.tic.TicPriorLM`, the tic testbed's
             teacher whose prior is input-agnostic by construction; text models only.
     """

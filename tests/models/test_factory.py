@@ -8,7 +8,7 @@ import sys
 
 WRAPPERS_ON_DEMAND = """
 import json, sys
-import saopd.train, saopd.evaluate
+import saopd.train, saopd.evaluate, saopd.cli
 after_entry_points = sorted(m for m in sys.modules if m.startswith("saopd.testbeds"))
 from saopd.config.model import ModelConfig, PlantedConfig, TicConfig
 from saopd.models.factory import MODEL_WRAPPERS, build_model
