@@ -163,7 +163,7 @@ run: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/saopd-train
 
 # An MLflow tracking server for sweeps with many writers (jobs on several nodes: SLURM, a Ray
-# cluster), on the repository's store: saopd/tracking_server.py says why (SQLite on a shared file
+# cluster), on the repository's store: saopd/runs/server.py says why (SQLite on a shared file
 # system is not safe with many writers) and it prints the logger.tracking_uri for the runs.
 # MLFLOW_HOST=0.0.0.0 opens it to the cluster's network; MLFLOW_ARGS passes more options, e.g.
 # MLFLOW_ARGS="--backend-store-uri postgresql://user@db/mlflow".
@@ -172,7 +172,7 @@ MLFLOW_PORT ?= 5000
 MLFLOW_ARGS ?=
 .PHONY: mlflow-server
 mlflow-server: setup
-	$(VPY) -m saopd.tracking_server --host $(MLFLOW_HOST) --port $(MLFLOW_PORT) $(MLFLOW_ARGS)
+	$(VPY) -m saopd.runs.server --host $(MLFLOW_HOST) --port $(MLFLOW_PORT) $(MLFLOW_ARGS)
 
 # Headless Chromium (Debian's `chromium`, with fonts for screenshots) for the browser test of the
 # report page, tests/integration/test_report_browser.py, which skips without it. Uses sudo when not root.

@@ -34,20 +34,20 @@ from saopd.config.train import unknown_keys
 from saopd.eval.benchmarks import BENCHMARKS
 from saopd.eval.runner import evaluate_benchmark, load_benchmark
 from saopd.io import write_jsonl_atomic
-from saopd.lightning.checkpoints import read_checkpoint
-from saopd.lightning.resume import CHECKPOINT_IDENTITY_KEY
-from saopd.mlflow_ui import get_or_create_experiment
 from saopd.models.factory import build_model, build_vlm
 from saopd.paths import conf_dir, register_resolvers, repo_root
 from saopd.rollout.base import SamplingParams
 from saopd.rollout.registry import build_engine
-from saopd.tracking import (
+from saopd.runs.checkpoints import read_checkpoint
+from saopd.runs.resume import CHECKPOINT_IDENTITY_KEY
+from saopd.runs.tracking import (
     FOLDER_TAG,
     check_tracking_server,
     default_tracking_uri,
     local_artifact_location,
     store_lock,
 )
+from saopd.runs.ui import get_or_create_experiment
 
 if TYPE_CHECKING:
     from saopd.rollout.base import SamplingParams

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from saopd.paths import repo_root
-from saopd.tracking import check_tracking_server
+from saopd.runs.tracking import check_tracking_server
 
 __all__ = ["build_parser", "main", "run_report"]
 

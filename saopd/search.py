@@ -51,8 +51,8 @@ from typing import Any
 from filelock import FileLock
 from omegaconf import OmegaConf
 
-from saopd.mlflow_ui import console_command
-from saopd.sweeps import is_multirun
+from saopd.runs.sweeps import is_multirun
+from saopd.runs.ui import console_command
 
 __all__ = ["BEST_FILE", "TRIALS_FILE", "ResumePlan", "SearchObjectives", "best_trials",
            "continue_command", "objective_values", "prepare_sqlite_storage", "resume_plan",

@@ -33,31 +33,31 @@ from saopd.filters import FILTERS
 from saopd.lightning.callbacks import EvalCallback
 from saopd.lightning.data import PromptDataModule
 from saopd.lightning.module import OPDModule
-from saopd.lightning.resume import (
+from saopd.lightning.trainer import build_trainer, progress_callback, training_callbacks
+from saopd.models.factory import build_models
+from saopd.objectives import OBJECTIVES
+from saopd.paths import conf_dir, register_resolvers
+from saopd.prompts.sources import load_prompts
+from saopd.rollout.registry import build_run_engine
+from saopd.runs.folder import NonFiniteError, preemption_requested, training_config
+from saopd.runs.logger import run_tracking_uri, start_tracking
+from saopd.runs.resume import (
     RunIdentityCallback,
     open_run_folder,
     plan_run,
     read_run_record,
     resume_changes,
 )
-from saopd.lightning.run_tracking import run_tracking_uri, start_tracking
-from saopd.lightning.runs import NonFiniteError, preemption_requested, training_config
-from saopd.lightning.trainer import build_trainer, progress_callback, training_callbacks
-from saopd.mlflow_ui import KEY_CHARTS_VIEW, experiment_url, ui_command
-from saopd.models.factory import build_models
-from saopd.objectives import OBJECTIVES
-from saopd.paths import conf_dir, register_resolvers
-from saopd.prompts.sources import load_prompts
-from saopd.rollout.registry import build_run_engine
-from saopd.scoring.registry import build_scorer
-from saopd.scoring.teacher_service import check_servable
-from saopd.sweeps import is_multirun, record_failed_job, record_killed_job, run_tags
-from saopd.tracking import (
+from saopd.runs.sweeps import is_multirun, record_failed_job, record_killed_job, run_tags
+from saopd.runs.tracking import (
     check_tracking_server,
     default_tracking_uri,
     mark_run_killed,
     server_down,
 )
+from saopd.runs.ui import KEY_CHARTS_VIEW, experiment_url, ui_command
+from saopd.scoring.registry import build_scorer
+from saopd.scoring.teacher_service import check_servable
 from saopd.vllm.client.teacher_server import TeacherServiceError
 
 T = TypeVar("T")
@@ -78,7 +78,7 @@ def train(cfg: DictConfig, extra_callbacks: list[L.Callback] | None = None) -> d
     build_models`), the prompts, the rollout engine (:func:`~saopd.rollout.registry.
     build_run_engine`), the teacher-scoring service (:func:`~saopd.scoring.registry.
     build_scorer`), the module (:meth:`OPDModule.from_config`), the MLflow run
-    (:func:`~saopd.lightning.run_tracking.start_tracking`) and the ``Trainer``. Every error of
+    (:func:`~saopd.runs.logger.start_tracking`) and the ``Trainer``. Every error of
     the user's making becomes a :class:`UserError` naming the part. ``extra_callbacks`` are
     added to the Trainer's (profilers, custom logging, fault injection).
     """
@@ -216,7 +216,7 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     A single run that fails exits with status 2 (configuration) or re-raises. In a sweep
     (``-m``) a failed job is recorded (``FAILED.json``, a FAILED MLflow run) and the sweep goes
-    on; :class:`saopd.sweeps.SweepSummary` reports the failures when the sweep ends. A run
+    on; :class:`saopd.runs.sweeps.SweepSummary` reports the failures when the sweep ends. A run
     stopped by ``SIGTERM`` saves its step and exits with status 143, or in a sweep records
     the job as killed (``KILLED.json``, with the command that continues it) and returns, unless
     the launcher preempted it (then it exits 143 and is requeued).
@@ -270,7 +270,7 @@ def _record_stopped_job(cfg: DictConfig) -> None:
 
 def _record_failed_job(cfg: DictConfig, err: Exception) -> None:
     """A failed sweep job: ``FAILED.json`` and its MLflow run marked (or made) FAILED
-    (:func:`saopd.sweeps.record_failed_job`)."""
+    (:func:`saopd.runs.sweeps.record_failed_job`)."""
     uri, run_id = _recorded_run(cfg) if cfg.logger.kind == "mlflow" else (None, None)
     if cfg.logger.kind == "mlflow" and uri is None:
         uri = cfg.logger.tracking_uri or default_tracking_uri(str(cfg.paths.root))
@@ -292,7 +292,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         uri, exp_id = summary["tracking_uri"], summary.get("mlflow_experiment_id")
         lines.append(f"  MLflow:      {uri} (experiment '{summary['mlflow_experiment']}', run "
                      f"{summary['run_id']})")
-        # the experiment's key charts, not MLflow 3's GenAI view (saopd.mlflow_ui)
+        # the experiment's key charts, not MLflow 3's GenAI view (saopd.runs.ui)
         view = KEY_CHARTS_VIEW if exp_id else None
         if uri.startswith(("http://", "https://")):  # a tracking server is its own UI
             lines.append(f"  browse:      {experiment_url(uri, exp_id, view=view)}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from saopd.mlflow_ui import (
+from saopd.runs.ui import (
     EXPERIMENT_KIND_TAG,
     MODEL_TRAINING,
     experiment_url,
@@ -88,7 +88,7 @@ def test_the_printed_mlflow_ui_command_runs_in_a_fresh_shell(tmp_path: Path) -> 
     import shlex
     import subprocess
 
-    from saopd.mlflow_ui import ui_command
+    from saopd.runs.ui import ui_command
 
     uri = f"sqlite:///{tmp_path / 'with space' / 'mlflow.db'}"
     words = shlex.split(ui_command(uri, port=5001))
@@ -102,7 +102,7 @@ def test_the_printed_mlflow_ui_command_runs_in_a_fresh_shell(tmp_path: Path) -> 
 
 
 def test_the_link_names_the_stored_view_only_when_asked() -> None:
-    from saopd.mlflow_ui import KEY_CHARTS_VIEW, key_charts_state
+    from saopd.runs.ui import KEY_CHARTS_VIEW, key_charts_state
 
     assert experiment_url("http://h:1", "7", view=KEY_CHARTS_VIEW).endswith(
         f"&compareRunsMode=CHART&viewStateShareKey={KEY_CHARTS_VIEW}")

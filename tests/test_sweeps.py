@@ -12,7 +12,7 @@ import mlflow
 import pytest
 from hydra import compose, initialize_config_dir
 
-from saopd.sweeps import read_jobs
+from saopd.runs.sweeps import read_jobs
 from saopd.train import CONF_DIR
 from tests.conftest import REPO
 from tests.helpers.mlflow_store import sqlite_store

@@ -17,7 +17,7 @@ pytest.importorskip("lightning")
 from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from saopd.tracking import (  # noqa: E402
+from saopd.runs.tracking import (  # noqa: E402
     CONFIG_ARTIFACT,
     ResumableMLFlowLogger,
     default_tracking_uri,
@@ -238,7 +238,7 @@ def test_a_held_store_lock_times_out_naming_the_lock(tmp_path: Path) -> None:
     import sys
     import time
 
-    from saopd.tracking import StoreLockTimeout, store_lock
+    from saopd.runs.tracking import StoreLockTimeout, store_lock
 
     db = tmp_path / "mlflow.db"
     holder = subprocess.Popen(
@@ -267,7 +267,7 @@ def test_a_locked_sqlite_store_is_a_clear_error(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from saopd.tracking import StoreLockTimeout, make_mlflow_logger
+    from saopd.runs.tracking import StoreLockTimeout, make_mlflow_logger
 
     db = tmp_path / "mlflow.db"
     make_mlflow_logger(experiment_name="x", tracking_uri=f"sqlite:///{db}", run_name="a",

@@ -5,7 +5,7 @@ completed (every trial failed, each recorded as failed) Optuna raises ``ValueErr
 are completed yet.``, and Hydra then skips its callbacks' end of the sweep: no
 ``sweep_summary.json``, no ``best.json``, a raw traceback. This sweeper ends such a search like
 any other: the callbacks' ends run (:class:`saopd.search.SearchObjectives` records that there
-is no best point and lists why the trials failed; :class:`saopd.sweeps.SweepSummary` writes the
+is no best point and lists why the trials failed; :class:`saopd.runs.sweeps.SweepSummary` writes the
 sweep's summary and exits with status 1). ``conf/hparams_search/*.yaml`` name it as
 ``hydra.sweeper._target_``.
 

@@ -5,9 +5,9 @@ preempted, with ``SIGUSR2`` (``$SUBMITIT_PREEMPT_SIGNAL``); ``submitit_local`` s
 signal. submitit's own handler would requeue at once, from inside whatever the job was doing
 (an optimizer step half done). Here the signal is deferred to the training loop:
 
-1. the handler marks the run preempted (:func:`saopd.lightning.runs.request_preemption`) and
+1. the handler marks the run preempted (:func:`saopd.runs.folder.request_preemption`) and
    raises ``SIGTERM`` for Lightning, so the step in progress finishes, is saved as ``last.ckpt``
-   (:class:`saopd.lightning.runs.PreemptionCheckpoint`) and the loop stops (``saopd-train``
+   (:class:`saopd.runs.folder.PreemptionCheckpoint`) and the loop stops (``saopd-train``
    marks the MLflow run KILLED);
 2. then submitit's handler runs: it calls :meth:`checkpoint`, which resubmits the same job with
    ``resume=auto`` (its own folder's ``last.ckpt``) when the job saved a checkpoint, and
@@ -57,7 +57,7 @@ def _defer(signum: int, frame: Any) -> None:
                 signal.Signals(signum).name)
     if HydraConfig.initialized():
         _JOB_FOLDER.append(Path(HydraConfig.get().runtime.output_dir))
-    from saopd.lightning.runs import request_preemption  # imported in the job: torch, Lightning
+    from saopd.runs.folder import request_preemption  # imported in the job: torch, Lightning
 
     request_preemption()
     signal.raise_signal(signal.SIGTERM)  # Lightning's handler: stop after this step
@@ -90,7 +90,7 @@ class _Requeueing:
         try:
             return super().__call__(sweep_overrides, *args, **kwargs)  # type: ignore[misc]
         except SystemExit:  # saopd-train exits 143 after saving a preempted step
-            from saopd.lightning.runs import preemption_requested
+            from saopd.runs.folder import preemption_requested
 
             if not (preemption_requested() and callable(requeue)):
                 raise

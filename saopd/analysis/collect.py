@@ -35,8 +35,8 @@ from typing import Any
 
 import pandas as pd
 
-from saopd.mlflow_ui import SWEEP_PARENT_TAG
 from saopd.paths import default_tracking_uri
+from saopd.runs.ui import SWEEP_PARENT_TAG
 
 __all__ = [
     "BASELINE_LABEL",

@@ -19,7 +19,7 @@ import pandas as pd
 
 from saopd.analysis.collect import mlflow_client
 from saopd.analysis.tables import ResultsTable
-from saopd.mlflow_ui import get_or_create_experiment
+from saopd.runs.ui import get_or_create_experiment
 
 __all__ = [
     "REPORT_ARTIFACT_DIR",
@@ -78,8 +78,8 @@ def _sqlite_dir(uri: str) -> Path | None:
 def ensure_experiment(client_or_uri: Any, name: str) -> str:
     """The id of MLflow experiment ``name``, created if missing. In a local SQLite store its
     artifacts go to ``<store folder>/mlartifacts/<name>``, as for training experiments
-    (:func:`saopd.tracking.make_mlflow_logger`), tagged as model training
-    (:func:`saopd.mlflow_ui.get_or_create_experiment`; a deleted one is refused)."""
+    (:func:`saopd.runs.tracking.make_mlflow_logger`), tagged as model training
+    (:func:`saopd.runs.ui.get_or_create_experiment`; a deleted one is refused)."""
     client = mlflow_client(client_or_uri)
     folder = _sqlite_dir(getattr(client, "tracking_uri", ""))
     location = None

@@ -19,9 +19,9 @@ def free_port() -> int:
 
 @contextmanager
 def tracking_server(folder: Path) -> Iterator[str]:
-    """``mlflow server`` (:func:`saopd.tracking_server.start_server`) on 127.0.0.1 over a fresh
+    """``mlflow server`` (:func:`saopd.runs.server.start_server`) on 127.0.0.1 over a fresh
     SQLite store and artifact folder in ``folder``; yields its URL, stops it on exit."""
-    from saopd.tracking_server import start_server, stop_server
+    from saopd.runs.server import start_server, stop_server
 
     port = free_port()
     process = start_server(backend_store_uri=sqlite_store(folder / "mlflow.db"),

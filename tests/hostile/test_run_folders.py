@@ -20,10 +20,10 @@ import pandas as pd
 import pytest
 import torch
 
-import saopd.lightning.checkpoints as checkpoints
-from saopd.lightning.checkpoints import CheckpointError, read_checkpoint
-from saopd.lightning.resume import RUN_RECORD, read_run_record
-from saopd.tracking import FOLDER_TAG, RUN_UID_TAG, store_lock_timeout
+import saopd.runs.checkpoints as checkpoints
+from saopd.runs.checkpoints import CheckpointError, read_checkpoint
+from saopd.runs.resume import RUN_RECORD, read_run_record
+from saopd.runs.tracking import FOLDER_TAG, RUN_UID_TAG, store_lock_timeout
 from saopd.train import UserError, train
 from tests.conftest import REPO
 
@@ -222,7 +222,7 @@ def test_a_full_disk_is_one_line_naming_the_checkpoint(make_cfg, monkeypatch) ->
 
 FULL_DISK_CLI = textwrap.dedent("""
     import builtins, sys
-    import saopd.lightning.checkpoints as checkpoints
+    import saopd.runs.checkpoints as checkpoints
     real_open = builtins.open
     checkpoints.open = lambda path, mode="r", *a, **k: real_open("/dev/full", mode, *a, **k)
     from saopd.cli import train_main as main

@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from saopd.evaluate import run_eval
-from saopd.tracking_server import start_server, stop_server
+from saopd.runs.server import start_server, stop_server
 from saopd.train import CONF_DIR, UserError, train
 from tests.helpers.mlflow_store import sqlite_store
 from tests.helpers.net import free_port
@@ -76,7 +76,7 @@ def test_a_tracking_server_on_a_taken_port_refuses_before_its_banner(tmp_path: P
         held.listen()
         port = held.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "saopd.tracking_server", "--port", str(port),
+            [sys.executable, "-m", "saopd.runs.server", "--port", str(port),
              "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
              "--artifacts-destination", str(tmp_path / "artifacts")],
             capture_output=True, text=True, timeout=120)
@@ -480,7 +480,7 @@ def test_a_wrong_sidecar_beside_a_whole_checkpoint_is_blamed_not_the_checkpoint(
         tmp_path: Path) -> None:
     import torch
 
-    from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
+    from saopd.runs.checkpoints import CheckpointError, VerifiedCheckpointIO, read_checkpoint
 
     path, other = tmp_path / "step_000003.ckpt", tmp_path / "other.ckpt"
     io = VerifiedCheckpointIO()

@@ -2,7 +2,7 @@
 ``hydra/launcher=slurm_local`` (submitit's local executor: the SLURM launcher's code path) and
 ``hydra/launcher=ray_cluster`` (a local Ray cluster), each running two ``experiment=tiny`` jobs
 started from another directory, one of them failing, both logging to a real MLflow tracking
-server (``saopd.tracking_server``, as jobs on other nodes would); and a job preempted with
+server (``saopd.runs.server``, as jobs on other nodes would); and a job preempted with
 the signal SLURM sends through submitit, requeued, resuming its step into the same MLflow run."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from saopd.lightning.checkpoints import read_checkpoint
-from saopd.sweeps import read_jobs
+from saopd.runs.checkpoints import read_checkpoint
+from saopd.runs.sweeps import read_jobs
 from tests.helpers.mlflow_store import sqlite_store
 from tests.helpers.net import tracking_server
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from saopd.config import to_train_config
-from saopd.lightning.checkpoints import read_checkpoint
+from saopd.runs.checkpoints import read_checkpoint
 from saopd.train import UserError, train
 
 
@@ -67,7 +67,7 @@ def test_a_second_writer_of_a_run_is_refused(make_cfg) -> None:
     run = Path(first["output_dir"])
     holder = subprocess.Popen(
         [sys.executable, "-c", "import time; from pathlib import Path; "
-         "from saopd.lightning.runs import RunLock; "
+         "from saopd.runs.folder import RunLock; "
          f"lock = RunLock(Path({str(run)!r})).acquire(); print('held', flush=True); "
          "time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)

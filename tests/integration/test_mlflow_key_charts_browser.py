@@ -1,6 +1,6 @@
 """The MLflow UI, in headless Chromium, opens saopd's experiment on its key charts (held-out
 accuracy, loss, FLMR, filtered ratio) when the address names saopd's stored view
-(saopd.mlflow_ui.set_key_charts); without it the UI's own layout starts on the alphabetically
+(saopd.runs.ui.set_key_charts); without it the UI's own layout starts on the alphabetically
 first section (here the one-point ``data/`` chart). Skips without Chromium (``make browser``)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from saopd.mlflow_ui import KEY_CHARTS_VIEW, KEY_METRICS, experiment_url, set_key_charts
-from saopd.tracking import make_mlflow_logger
+from saopd.runs.tracking import make_mlflow_logger
+from saopd.runs.ui import KEY_CHARTS_VIEW, KEY_METRICS, experiment_url, set_key_charts
 from tests.helpers.net import tracking_server
 
 CHROMIUM = shutil.which("chromium") or (

@@ -1,9 +1,9 @@
 """The MLflow UI, in headless Chromium, opens saopd's experiment on its runs as metric charts.
 
 MLflow 3.17's UI starts on its GenAI view (traces) unless its "Model training" switch or the
-address's ``workflowType`` parameter says otherwise (saopd.mlflow_ui); saopd's links carry it.
-The runs are logged the way training logs them (saopd.tracking.make_mlflow_logger) to a real
-tracking server (saopd.tracking_server). Install Chromium with ``make browser``; without it these
+address's ``workflowType`` parameter says otherwise (saopd.runs.ui); saopd's links carry it.
+The runs are logged the way training logs them (saopd.runs.tracking.make_mlflow_logger) to a real
+tracking server (saopd.runs.server). Install Chromium with ``make browser``; without it these
 tests skip and say so.
 """
 
@@ -20,8 +20,8 @@ import pytest
 from mlflow import MlflowClient
 from PIL import Image
 
-from saopd.mlflow_ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING, experiment_url
-from saopd.tracking import make_mlflow_logger
+from saopd.runs.tracking import make_mlflow_logger
+from saopd.runs.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING, experiment_url
 from tests.helpers.net import tracking_server
 
 CHROMIUM = shutil.which("chromium") or (

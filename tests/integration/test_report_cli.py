@@ -108,7 +108,7 @@ def test_labels_keep_apart_runs_whose_hyperparameters_differ() -> None:
 
 def test_default_tracking_uri_matches_training(monkeypatch: pytest.MonkeyPatch) -> None:
     from saopd.paths import repo_root
-    from saopd.tracking import default_tracking_uri
+    from saopd.runs.tracking import default_tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert resolve_tracking_uri() == default_tracking_uri(repo_root())

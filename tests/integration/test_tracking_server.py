@@ -1,4 +1,4 @@
-"""A real MLflow tracking server (saopd.tracking_server) with many writers: two sweep jobs log
+"""A real MLflow tracking server (saopd.runs.server) with many writers: two sweep jobs log
 through it in parallel, saopd-report reads them back; and the refusal of a SQLite store for
 launchers that run jobs on several nodes."""
 
@@ -15,14 +15,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
-from saopd.mlflow_ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING
 from saopd.report import main as report_main
-from saopd.tracking_server import (
+from saopd.runs.server import (
     StoreCheck,
     multi_node_launcher,
     server_command,
     sqlite_refusal,
 )
+from saopd.runs.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING
 from saopd.train import CONF_DIR
 from tests.conftest import REPO
 from tests.helpers.net import tracking_server
@@ -124,7 +124,7 @@ def test_the_check_is_a_callback_of_every_sweep(capsys: pytest.CaptureFixture) -
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.root={REPO}", "paths.output_dir=/tmp/x"],
                       return_hydra_config=True)
-    assert cfg.hydra.callbacks.store_check._target_ == "saopd.tracking_server.StoreCheck"
+    assert cfg.hydra.callbacks.store_check._target_ == "saopd.runs.server.StoreCheck"
     StoreCheck().on_multirun_start(cfg)  # the default launcher: nothing to refuse
     cfg.hydra.launcher._target_ = SLURM
     with pytest.raises(SystemExit) as stop:
@@ -138,7 +138,7 @@ def test_the_check_is_a_callback_of_every_sweep(capsys: pytest.CaptureFixture) -
 def test_bad_server_arguments_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a database URI"):
         server_command(backend_store_uri=str(tmp_path / "mlruns"), artifacts_destination="a")
-    out = subprocess.run([sys.executable, "-m", "saopd.tracking_server", "--port", "0"],
+    out = subprocess.run([sys.executable, "-m", "saopd.runs.server", "--port", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip() == ("saopd tracking server: error: --port must be in 1..65535, "

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import saopd.lightning.checkpoints as checkpoints
-from saopd.lightning.checkpoints import (
+import saopd.runs.checkpoints as checkpoints
+from saopd.runs.checkpoints import (
     CheckpointError,
     VerifiedCheckpointIO,
     read_checkpoint,

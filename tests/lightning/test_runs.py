@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from saopd.lightning.checkpoints import CheckpointError, VerifiedCheckpointIO
-from saopd.lightning.runs import (
+from saopd.runs.checkpoints import CheckpointError, VerifiedCheckpointIO
+from saopd.runs.folder import (
     RunBusyError,
     RunLock,
     check_resume_config,
@@ -74,7 +74,7 @@ def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from saopd.lightning.runs import RunLock; "
+         "from saopd.runs.folder import RunLock; "
          f"lock = RunLock(Path({str(run)!r})).acquire(); print('held', flush=True); "
          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
@@ -90,7 +90,7 @@ def test_a_second_process_on_a_run_is_refused(tmp_path: Path) -> None:
 
 def test_find_resume_verifies_the_checkpoint(tmp_path: Path, make_cfg) -> None:
     from saopd.config import to_train_config
-    from saopd.lightning.resume import find_resume
+    from saopd.runs.resume import find_resume
 
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     VerifiedCheckpointIO().save_checkpoint({"state_dict": {}, "global_step": 1}, ckpt)

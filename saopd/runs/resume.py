@@ -37,8 +37,8 @@ import lightning as L
 
 from saopd.config.train import TrainConfig
 from saopd.io import write_json_atomic
-from saopd.lightning.checkpoints import read_checkpoint
-from saopd.lightning.runs import (
+from saopd.runs.checkpoints import read_checkpoint
+from saopd.runs.folder import (
     RESOLVED_CONFIG,
     RunLock,
     check_resume_config,
@@ -67,7 +67,7 @@ def find_resume(conf: TrainConfig, *, own_folder_only: bool = False) -> Path | N
     ``<root>/outputs/<experiment_name>`` (None when there is none; never with
     ``own_folder_only``, as in a sweep job, where another run's would be wrong); a folder: its
     ``checkpoints/last.ckpt``; else a checkpoint file. The file is
-    read and verified (:func:`saopd.lightning.checkpoints.read_checkpoint`, tensors mapped, not
+    read and verified (:func:`saopd.runs.checkpoints.read_checkpoint`, tensors mapped, not
     loaded). Raises ``FileNotFoundError`` / ``CheckpointError`` naming the path (a dangling
     ``last.ckpt`` names the file it pointed to).
     """
@@ -266,7 +266,7 @@ def resume_changes(plan: RunPlan, conf: TrainConfig,
                    config: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """What a resume changes on purpose (``conf.resume_changes``, and ``steps``): ``{key:
     (recorded, now)}``; ``{}`` for a fresh run. ``ValueError`` names any other difference from
-    the config that trained the checkpoint (:func:`~saopd.lightning.runs.check_resume_config`)."""
+    the config that trained the checkpoint (:func:`~saopd.runs.folder.check_resume_config`)."""
     if plan.checkpoint is None:
         return {}
     return check_resume_config(plan.recorded_config, config, (*conf.resume_changes, "steps"),
@@ -276,11 +276,11 @@ def resume_changes(plan: RunPlan, conf: TrainConfig,
 def open_run_folder(plan: RunPlan, config: Mapping[str, str],
                     changes: Mapping[str, tuple[str, str]], *, writer: bool) -> ExitStack:
     """Make the run folder and, in the process that writes it (``writer``: global rank 0),
-    lock it (:class:`~saopd.lightning.runs.RunLock`: one trainer per run) and write its
+    lock it (:class:`~saopd.runs.folder.RunLock`: one trainer per run) and write its
     records: the training config (``config``) when the run is new, a copy, started from a
     checkpoint, changed on purpose (``changes``) or has none yet; the identity record
     :data:`RUN_RECORD` with the config's digest; the changes. Returns what releases the lock
-    (use it as a context manager). ``OSError`` (:class:`~saopd.lightning.runs.RunBusyError`
+    (use it as a context manager). ``OSError`` (:class:`~saopd.runs.folder.RunBusyError`
     for a folder another process trains) or a failed write: nothing is left locked."""
     folder = plan.folder
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """A training run's folder kept trustworthy: that the resumed config is the one that trained the
 checkpoint, that one process trains a run at a time, a checkpoint on preemption, and no step of
 a diverged update saved. Which checkpoint a resume continues, and as whose run:
-:mod:`saopd.lightning.resume`.
+:mod:`saopd.runs.resume`.
 
 - :func:`check_resume_config`: the resolved config of a resumed run must equal the config that
   trained the checkpoint (recorded inside it; the folder's :data:`RESOLVED_CONFIG` for older

@@ -21,7 +21,7 @@ sections) as the experiment tag ``mlflow.sharedViewState.<key>``, which an addre
 :func:`set_key_charts` writes the view :data:`KEY_CHARTS_VIEW`: a first section "Key metrics"
 with line charts of the held-out accuracy, the loss, FLMR and the filtered ratio over steps (the
 other metrics follow in their sections), and ``experiment_url(..., view=KEY_CHARTS_VIEW)`` opens
-it. Training sets it on its experiment (:mod:`saopd.lightning.run_tracking`).
+it. Training sets it on its experiment (:mod:`saopd.runs.logger`).
 
 Printed commands. :func:`console_command` names a console script of this environment by its
 absolute path (``.venv/bin/mlflow``), so that a printed command works in a fresh shell where
@@ -60,7 +60,7 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 #: Its value for model training ("Machine learning" in the UI; the other is genai_development).
 MODEL_TRAINING = "custom_model_development"
 #: Tag of a sweep's (or a search's) parent run, ``true``: the run its jobs' runs are children
-#: of (saopd.sweeps); it holds no metrics of its own, and reports leave it out.
+#: of (saopd.runs.sweeps); it holds no metrics of its own, and reports leave it out.
 SWEEP_PARENT_TAG = "saopd.sweep_parent"
 #: The UI's view parameter: ``machine_learning`` (model training) or ``genai``.
 _VIEW = {"workflowType": "machine_learning"}

@@ -51,8 +51,8 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from saopd.mlflow_ui import get_or_create_experiment
 from saopd.paths import default_tracking_uri
+from saopd.runs.ui import get_or_create_experiment
 
 __all__ = [
     "CONFIG_ARTIFACT",
@@ -168,7 +168,7 @@ def check_tracking_server(uri: str | None) -> None:
     why = server_down(uri)
     if why is not None:
         raise ValueError(f"MLflow tracking server {uri} does not answer GET /health ({why}): "
-                         "start it (python -m saopd.tracking_server, or make mlflow-server) "
+                         "start it (python -m saopd.runs.server, or make mlflow-server) "
                          "or set logger.tracking_uri to a running one")
 
 
@@ -306,7 +306,7 @@ def make_mlflow_logger(*, experiment_name: str, tracking_uri: str | None, run_na
         return build()
     with store_lock(uri):
         try:
-            if run_id is None:  # the experiment, tagged as model training (saopd.mlflow_ui)
+            if run_id is None:  # the experiment, tagged as model training (saopd.runs.ui)
                 from mlflow import MlflowClient
 
                 get_or_create_experiment(MlflowClient(uri), experiment_name,
@@ -561,7 +561,7 @@ def create_parent_run(uri: str, experiment: str, *, run_name: str,
                       tags: Mapping[str, str]) -> str:
     """Create a RUNNING run named ``run_name`` in ``experiment`` (created if missing, with the
     artifacts of :func:`local_artifact_location`) under the store's lock: the parent of a
-    sweep's jobs (:func:`saopd.sweeps.sweep_run`). Returns its id."""
+    sweep's jobs (:func:`saopd.runs.sweeps.sweep_run`). Returns its id."""
     import mlflow
 
     with store_lock(uri):

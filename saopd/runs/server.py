@@ -2,12 +2,12 @@
 
     make mlflow-server                                      # 127.0.0.1:5000, the repository's store
     make mlflow-server MLFLOW_PORT=5001 MLFLOW_HOST=0.0.0.0 # reachable from the cluster's nodes
-    python -m saopd.tracking_server --backend-store-uri postgresql://user@db/mlflow
+    python -m saopd.runs.server --backend-store-uri postgresql://user@db/mlflow
     saopd-train -m seed=0,1,2 hydra/launcher=slurm logger.tracking_uri=http://<host>:5000
     saopd-report --tracking-uri http://<host>:5000 -e testbed
 
 Why a server. ``saopd-train`` logs to a SQLite file (``sqlite:///<repo>/mlflow.db``) by default,
-and parallel jobs on one machine take turns through a file lock (:func:`saopd.tracking.
+and parallel jobs on one machine take turns through a file lock (:func:`saopd.runs.tracking.
 store_lock`). SQLite is not safe with many writers on a shared (network) file system: its locks
 rely on the file system's byte-range locks, which NFS and its kin implement loosely or not at
 all, so jobs writing from several nodes can corrupt the database or fail with "database is
@@ -52,8 +52,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from saopd.mlflow_ui import experiment_url
 from saopd.paths import default_tracking_uri, repo_root
+from saopd.runs.ui import experiment_url
 
 __all__ = [
     "DEFAULT_PORT",
@@ -206,10 +206,10 @@ def _connect_host(host: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m saopd.tracking_server``."""
+    """The command line of ``python -m saopd.runs.server``."""
     root = repo_root()
     p = argparse.ArgumentParser(
-        prog="python -m saopd.tracking_server",
+        prog="python -m saopd.runs.server",
         description="Start an MLflow tracking server for saopd's runs (many writers: sweep jobs "
                     "on several nodes log through it with logger.tracking_uri=http://...).",
         epilog="Arguments after -- go to `mlflow server` as they are (e.g. -- --allowed-hosts "
@@ -311,7 +311,7 @@ def sqlite_refusal(tracking_uri: str, launcher: Mapping[str, Any]) -> str | None
         return None
     return (f"MLflow store {tracking_uri}: {why}, and SQLite is not safe with many writers on a "
             "shared file system; start a tracking server (make mlflow-server MLFLOW_HOST=0.0.0.0"
-            ", or python -m saopd.tracking_server --host 0.0.0.0) and pass "
+            ", or python -m saopd.runs.server --host 0.0.0.0) and pass "
             "logger.tracking_uri=http://<server host>:5000, or use a database server "
             "(logger.tracking_uri=postgresql://...)")
 

@@ -38,10 +38,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from saopd.mlflow_ui import SWEEP_PARENT_TAG as PARENT_TAG
-from saopd.tracking import create_parent_run, end_parent_run, mark_run_failed
+from saopd.runs.tracking import create_parent_run, end_parent_run, mark_run_failed
+from saopd.runs.ui import SWEEP_PARENT_TAG as PARENT_TAG
 
-log = logging.getLogger("saopd.sweeps")
+log = logging.getLogger(__name__)
 JOBS_FILE = "jobs.jsonl"
 SUMMARY_FILE = "sweep_summary.json"
 FAILED_FILE = "FAILED.json"
@@ -222,7 +222,7 @@ def record_failed_job(job_dir: Path, error: BaseException, *, tracking_uri: str 
                       with_traceback: bool = True) -> dict[str, Any]:
     """A sweep job that failed: log it (``with_traceback``: its traceback too), write
     ``job_dir/FAILED.json`` (:func:`record_job_failure`) and, with a ``tracking_uri``, mark its
-    MLflow run ``run_id`` FAILED (:func:`saopd.tracking.mark_run_failed`: one is made in
+    MLflow run ``run_id`` FAILED (:func:`saopd.runs.tracking.mark_run_failed`: one is made in
     ``experiment`` with ``tags`` when the job failed before training made it). An MLflow
     error is a warning: the failure is in ``FAILED.json`` and the log already. Returns what
     ``FAILED.json`` holds."""

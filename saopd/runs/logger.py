@@ -13,10 +13,9 @@ from omegaconf import DictConfig
 
 from saopd.config.train import TrainConfig
 from saopd.eval.benchmarks import BENCHMARKS
-from saopd.lightning.resume import RunPlan, claimed_by, write_run_record
-from saopd.mlflow_ui import KEY_METRICS, set_key_charts
-from saopd.sweeps import run_tags, sweep_run
-from saopd.tracking import (
+from saopd.runs.resume import RunPlan, claimed_by, write_run_record
+from saopd.runs.sweeps import run_tags, sweep_run
+from saopd.runs.tracking import (
     FOLDER_TAG,
     RUN_UID_TAG,
     default_tracking_uri,
@@ -25,6 +24,7 @@ from saopd.tracking import (
     make_mlflow_logger,
     read_run_tags,
 )
+from saopd.runs.ui import KEY_METRICS, set_key_charts
 
 __all__ = ["key_metrics", "run_tracking_uri", "start_tracking"]
 
@@ -43,7 +43,7 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
     record rewritten. Logged at once: the resume's deliberate ``changes`` (a tag), ``params``
     (extra parameters), and for a new MLflow run the resolved config ``cfg`` and the data
     counts (params ``data_rows.<name>``: as metrics they were one-point charts that the UI's
-    chart view opened on). The experiment's key charts (:func:`saopd.mlflow_ui.set_key_charts`:
+    chart view opened on). The experiment's key charts (:func:`saopd.runs.ui.set_key_charts`:
     held-out accuracy, loss, FLMR, filtered ratio) are stored on it. Call it in the process
     that tracks (global rank 0). The info also holds ``mlflow_experiment_id``, for the UI's
     address of the experiment.
@@ -73,7 +73,7 @@ def start_tracking(conf: TrainConfig, plan: RunPlan, cfg: DictConfig, *,
 def key_metrics(conf: TrainConfig) -> list[str]:
     """The metrics of the experiment's key charts: the held-out accuracy of its first benchmark
     (``eval/<benchmark>/avg_at_<k>``, when the run evaluates), then
-    :data:`saopd.mlflow_ui.KEY_METRICS` (loss, FLMR, filtered ratio)."""
+    :data:`saopd.runs.ui.KEY_METRICS` (loss, FLMR, filtered ratio)."""
     ev = conf.eval
     first = list(ev.benchmarks or [])[:1]
     if not first or not (ev.every_n_steps or ev.at_start):

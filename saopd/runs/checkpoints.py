@@ -21,7 +21,10 @@
 - **weights-only reads**: :func:`read_checkpoint` loads with ``torch.load(weights_only=True)``:
   tensors and plain containers only, so a checkpoint carrying a pickle payload cannot run code.
 
-``saopd-eval checkpoint=...`` and resuming read through :func:`read_checkpoint`.
+``saopd-eval checkpoint=...`` and resuming read through :func:`read_checkpoint`. The run's
+checkpoint callback (:func:`checkpoint_callback`, a :class:`RunCheckpoint`) writes
+``step_XXXXXX.ckpt`` and ``last.ckpt`` and keeps replacing its own files when the run folder
+moves.
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from saopd.config.train import TrainConfig
 from saopd.io import atomic_write, file_sha256
 
-__all__ = ["CHECKSUM_SUFFIX", "CONTENT_DIGEST_KEY", "CheckpointError", "VerifiedCheckpointIO",
-           "content_digest", "read_checkpoint", "verify_checkpoint"]
+__all__ = ["CHECKSUM_SUFFIX", "CONTENT_DIGEST_KEY", "CheckpointError", "RunCheckpoint",
+           "VerifiedCheckpointIO", "checkpoint_callback", "content_digest", "read_checkpoint",
+           "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -266,3 +273,57 @@ class _HashingWriter:
         except OSError as err:
             self.error = self.error or err
             raise
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` that keeps track of its files when the run folder moves.
+
+    Lightning restores the paths of the last and the kept checkpoints only when the folder is
+    where it was (``dirpath`` unchanged); after ``mv`` it forgets them, so ``last.ckpt`` was
+    never replaced (a ``last-v1.ckpt`` beside it, and the next resume restored the old step) and
+    superseded ``step_*.ckpt`` files stayed on disk. Here the recorded paths under the old folder
+    are mapped to the same files under the new one. The version counter is off: a file of the
+    same name is replaced, never versioned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("enable_version_counter", False)
+        super().__init__(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        old, new = state_dict.get("dirpath"), self.dirpath
+        if old and new and old != new:
+            def moved(path: Any) -> Any:
+                if not path:
+                    return path
+                try:
+                    return str(Path(new) / Path(path).relative_to(old))
+                except ValueError:  # not under the old folder: left as it is
+                    return path
+
+            state_dict = {**state_dict, "dirpath": new,
+                          **{key: moved(state_dict.get(key)) for key in
+                             ("best_model_path", "kth_best_model_path", "last_model_path")},
+                          "best_k_models": {moved(k): v for k, v in
+                                            (state_dict.get("best_k_models") or {}).items()}}
+        super().load_state_dict(state_dict)
+
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        """Lightning's link, and the sidecar of a file it replaces removed (``last.ckpt`` is a
+        file after a preemption; the link's checksum is its target's)."""
+        if trainer.is_global_zero and Path(linkpath).is_file() \
+                and not Path(linkpath).is_symlink():
+            Path(linkpath + CHECKSUM_SUFFIX).unlink(missing_ok=True)
+        ModelCheckpoint._link_checkpoint(trainer, filepath, linkpath)
+
+
+def checkpoint_callback(conf: TrainConfig, out_dir: Path) -> ModelCheckpoint:
+    """``step_XXXXXX.ckpt`` every ``trainer.checkpoint_every_n_steps`` and ``last.ckpt``, a link
+    to the newest one (one copy on disk, not two), each with its ``.sha256``
+    (:class:`~saopd.runs.checkpoints.VerifiedCheckpointIO`); a moved run folder keeps
+    replacing its own files (:class:`RunCheckpoint`)."""
+    return RunCheckpoint(dirpath=out_dir / "checkpoints", filename="step_{step:06d}",
+                         every_n_train_steps=conf.trainer.checkpoint_every_n_steps,
+                         save_last="link",
+                         save_top_k=-1 if conf.trainer.keep_all_checkpoints else 1,
+                         auto_insert_metric_name=False)
