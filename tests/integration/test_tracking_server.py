@@ -1,6 +1,6 @@
 """A real MLflow tracking server (saopd.runs.server) with many writers: two sweep jobs log
-through it in parallel, saopd-report reads them back; and the refusal of a SQLite store for
-launchers that run jobs on several nodes."""
+through it in parallel, saopd-report reads them back; and a sweep on several nodes over a SQLite
+store refused before any job runs (the refusal itself: tests/runs/test_server.py)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,14 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 
 from saopd.report import main as report_main
-from saopd.runs.server import (
-    StoreCheck,
-    multi_node_launcher,
-    server_command,
-    sqlite_refusal,
-)
 from saopd.runs.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING
-from saopd.train import CONF_DIR
-from tests.conftest import REPO
 from tests.helpers.net import tracking_server
+from tests.runs.test_server import SLURM
 
 TRAIN = Path(sys.executable).with_name("saopd-train")
-SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-SUBMITIT_LOCAL = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
-RAY = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
-JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 # a few seconds per job: the testbed's models, 2 steps, an evaluation of 16 held-out problems
 QUICK = ["experiment=testbed", "steps=2", "prompts_per_step=8", "eval.limit=16", "eval.k=1",
          "eval.every_n_steps=2", "eval.at_start=false", "trainer.view_every_n_steps=0"]
@@ -95,20 +83,6 @@ def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
     # server too
 
 
-def test_sqlite_is_refused_for_launchers_on_several_nodes() -> None:
-    store = "sqlite:////shared/repo/mlflow.db"
-    assert "hydra/launcher=slurm" in sqlite_refusal(store, {"_target_": SLURM})
-    assert "ray.init.address=auto" in sqlite_refusal(
-        store, {"_target_": RAY, "ray": {"init": {"address": "auto"}}})
-    # launchers on this machine keep SQLite; a server or a database is never refused
-    for launcher in ({"_target_": SUBMITIT_LOCAL}, {"_target_": JOBLIB},
-                     {"_target_": RAY, "ray": {"init": {"address": None}}}):
-        assert multi_node_launcher(launcher) is None
-        assert sqlite_refusal(store, launcher) is None
-    for uri in ("http://node01:5000", "postgresql://db/mlflow"):
-        assert sqlite_refusal(uri, {"_target_": SLURM}) is None
-
-
 def test_the_sweep_is_refused_before_any_job_runs(tmp_path: Path) -> None:
     out = run_train(tmp_path, "-m", "experiment=tiny", "seed=0,1",
                     f"hydra.launcher._target_={SLURM}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
@@ -118,28 +92,3 @@ def test_the_sweep_is_refused_before_any_job_runs(tmp_path: Path) -> None:
     assert len(errors) == 1 and "SQLite is not safe with many writers" in errors[0]
     assert "logger.tracking_uri=http://" in errors[0]
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "mlflow.db").exists()
-
-
-def test_the_check_is_a_callback_of_every_sweep(capsys: pytest.CaptureFixture) -> None:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.root={REPO}", "paths.output_dir=/tmp/x"],
-                      return_hydra_config=True)
-    assert cfg.hydra.callbacks.store_check._target_ == "saopd.runs.server.StoreCheck"
-    StoreCheck().on_multirun_start(cfg)  # the default launcher: nothing to refuse
-    cfg.hydra.launcher._target_ = SLURM
-    with pytest.raises(SystemExit) as stop:
-        StoreCheck().on_multirun_start(cfg)
-    assert stop.value.code == 2
-    assert f"sqlite:///{REPO}/mlflow.db" in capsys.readouterr().err
-    cfg.logger.kind = "none"  # nothing is logged: nothing to refuse
-    StoreCheck().on_multirun_start(cfg)
-
-
-def test_bad_server_arguments_name_the_problem(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="not a database URI"):
-        server_command(backend_store_uri=str(tmp_path / "mlruns"), artifacts_destination="a")
-    out = subprocess.run([sys.executable, "-m", "saopd.runs.server", "--port", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert out.stderr.strip() == ("saopd tracking server: error: --port must be in 1..65535, "
-                                  "got 0")

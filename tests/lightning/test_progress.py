@@ -1,15 +1,13 @@
 """A run's progress (saopd.lightning.callbacks.ProgressLines): a line after the first step, at
 least every ``every_s`` seconds and after the last step, one per evaluation, evaluations kept
-out of s/step; nothing when ``trainer.progress_bar=false``; Lightning's adverts and torch's
-``_pytree`` deprecation filtered out of the run's output, nothing else of Lightning's."""
+out of s/step; nothing when ``trainer.progress_bar=false`` (the known noise a run's output leaves
+out: tests/runs/test_log.py)."""
 
 from __future__ import annotations
 
 import logging
 import re
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from saopd.config import to_train_config
 from saopd.lightning.callbacks import ProgressLines, clock_time
-from saopd.lightning.trainer import build_trainer, quiet_known_noise
+from saopd.lightning.trainer import build_trainer
 
 
 class FakeClock:
@@ -190,54 +188,6 @@ def test_the_trainer_shows_progress_unless_it_is_off(tmp_path: Path, make_cfg: A
     with pytest.raises(ValueError, match="progress_bar_every_s"):
         to_train_config(make_cfg("experiment=tiny", "trainer.progress_bar_every_s=-5",
                                  mlflow=False))
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def lightning_info() -> Iterator[_Records]:
-    """What Lightning's ``rank_zero_info`` logs, after the loggers' own filters."""
-    records = _Records()
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch.utilities.rank_zero",
-                                                    "lightning.fabric.utilities.rank_zero")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.addHandler(records)
-        lg.setLevel(logging.INFO)
-    yield records
-    for lg, level in zip(loggers, levels, strict=True):
-        lg.removeHandler(records)
-        lg.setLevel(level)
-
-
-def test_lightning_adverts_are_filtered_and_its_other_lines_kept(
-        lightning_info: _Records) -> None:
-    L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    assert any("GPU available" in m for m in lightning_info.messages), lightning_info.messages
-    assert not [m for m in lightning_info.messages if "litlogger" in m or "litmodels" in m]
-
-
-def test_torchs_pytree_deprecation_in_lightning_is_filtered() -> None:
-    """Lightning's ``_tree_flatten`` (every batch of a fit) makes torch's ``LeafSpec``, whose
-    deprecation is not saopd's user's to act on: it warns without the filter, not with it."""
-    from lightning.pytorch.utilities.combined_loader import _tree_flatten
-
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        _tree_flatten(torch.zeros(1))
-    assert any("LeafSpec" in str(w.message) for w in seen), [str(w.message) for w in seen]
-    with warnings.catch_warnings(record=True) as seen:
-        quiet_known_noise()
-        _tree_flatten(torch.zeros(1))
-        warnings.warn("another FutureWarning", FutureWarning, stacklevel=1)
-    assert [str(w.message) for w in seen] == ["another FutureWarning"]
 
 
 def test_a_testbed_run_shows_its_steps_and_evaluations(make_cfg: Any,
