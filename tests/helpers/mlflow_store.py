@@ -5,7 +5,8 @@ A new SQLite file makes MLflow run every Alembic migration of its schema (about 
 one migrated, empty store made once per test process instead, so that each test still gets a
 store of its own. The copy holds no experiment: MLflow creates its ``Default`` experiment when
 it first opens the copy, with the copy's own artifact root, as it does in a new file. Tests of
-the store's creation itself (``saopd.tracking``'s tests, the default URI) keep new files.
+the store's creation itself (``saopd.runs.tracking``'s tests, the default URI) keep new
+files.
 """
 
 from __future__ import annotations
