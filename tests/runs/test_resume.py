@@ -1,5 +1,5 @@
-"""Resuming: the checkpoint a resume names is verified before training starts (issue 15,
-point 1)."""
+"""Resuming: the checkpoint a resume names is verified before training starts (whose run it
+continues, and where: tests/hostile/test_run_folders.py)."""
 
 from __future__ import annotations
 
