@@ -78,7 +78,7 @@ def _sqlite_dir(uri: str) -> Path | None:
 def ensure_experiment(client_or_uri: Any, name: str) -> str:
     """The id of MLflow experiment ``name``, created if missing. In a local SQLite store its
     artifacts go to ``<store folder>/mlartifacts/<name>``, as for training experiments
-    (:func:`saopd.runs.tracking.make_mlflow_logger`), tagged as model training
+    (:func:`saopd.runs.mlflow_logger.make_mlflow_logger`), tagged as model training
     (:func:`saopd.runs.ui.get_or_create_experiment`; a deleted one is refused)."""
     client = mlflow_client(client_or_uri)
     folder = _sqlite_dir(getattr(client, "tracking_uri", ""))

@@ -13,17 +13,10 @@ from omegaconf import DictConfig
 
 from saopd.config.train import TrainConfig
 from saopd.eval.benchmarks import BENCHMARKS
+from saopd.runs.mlflow_logger import log_params, log_resolved_config, make_mlflow_logger
 from saopd.runs.resume import RunPlan, claimed_by, write_run_record
 from saopd.runs.sweeps import run_tags, sweep_run
-from saopd.runs.tracking import (
-    FOLDER_TAG,
-    RUN_UID_TAG,
-    default_tracking_uri,
-    log_params,
-    log_resolved_config,
-    make_mlflow_logger,
-    read_run_tags,
-)
+from saopd.runs.tracking import FOLDER_TAG, RUN_UID_TAG, default_tracking_uri, read_run_tags
 from saopd.runs.ui import KEY_METRICS, set_key_charts
 
 __all__ = ["key_metrics", "run_tracking_uri", "start_tracking"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from saopd.runs.tracking import make_mlflow_logger
+from saopd.runs.mlflow_logger import make_mlflow_logger
 from saopd.runs.ui import KEY_CHARTS_VIEW, KEY_METRICS, experiment_url, set_key_charts
 from tests.helpers.net import tracking_server
 

@@ -2,9 +2,9 @@
 
 MLflow 3.17's UI starts on its GenAI view (traces) unless its "Model training" switch or the
 address's ``workflowType`` parameter says otherwise (saopd.runs.ui); saopd's links carry it.
-The runs are logged the way training logs them (saopd.runs.tracking.make_mlflow_logger) to a real
-tracking server (saopd.runs.server). Install Chromium with ``make browser``; without it these
-tests skip and say so.
+The runs are logged the way training logs them (saopd.runs.mlflow_logger.make_mlflow_logger)
+to a real tracking server (saopd.runs.server). Install Chromium with ``make browser``; without
+it these tests skip and say so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 from PIL import Image
 
-from saopd.runs.tracking import make_mlflow_logger
+from saopd.runs.mlflow_logger import make_mlflow_logger
 from saopd.runs.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING, experiment_url
 from tests.helpers.net import tracking_server
 

@@ -17,16 +17,14 @@ pytest.importorskip("lightning")
 from mlflow.entities import Metric  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from saopd.runs.tracking import (  # noqa: E402
-    CONFIG_ARTIFACT,
+from saopd.runs.mlflow_logger import (  # noqa: E402
     ResumableMLFlowLogger,
-    default_tracking_uri,
-    flatten_params,
     last_logged_step,
     log_resolved_config,
     log_text_artifact,
     make_mlflow_logger,
 )
+from saopd.runs.tracking import CONFIG_ARTIFACT, default_tracking_uri, flatten_params  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -267,7 +265,7 @@ def test_a_locked_sqlite_store_is_a_clear_error(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from saopd.runs.tracking import StoreLockTimeout, make_mlflow_logger
+    from saopd.runs.tracking import StoreLockTimeout
 
     db = tmp_path / "mlflow.db"
     make_mlflow_logger(experiment_name="x", tracking_uri=f"sqlite:///{db}", run_name="a",
