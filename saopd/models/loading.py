@@ -35,6 +35,7 @@ __all__ = [
     "HubUnavailableError",
     "init_causal_lm",
     "load_causal_lm",
+    "load_pretrained_model",
     "load_tokenizer",
     "meta_causal_lm",
     "resolve_dtype",
@@ -217,19 +218,32 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    source = resolve_source(name_or_path, gguf_file, kind="model")
     extra: dict[str, Any] = {}
     if device is not None:
         extra["device_map"] = {"": torch.device(device)}
-    model = from_pretrained(
-        AutoModelForCausalLM,
-        source,
-        ("config.json",),
-        revision,
-        dtype=resolve_dtype(dtype),
-        trust_remote_code=trust_remote_code,
-        **extra,
-    )
+    return load_pretrained_model(AutoModelForCausalLM, name_or_path, dtype=dtype,
+                                 trust_remote_code=trust_remote_code, revision=revision,
+                                 gguf_file=gguf_file, **extra)
+
+
+def load_pretrained_model(
+    auto_class: Any,
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype,
+    trust_remote_code: bool,
+    revision: str | None,
+    gguf_file: str | None = None,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """``auto_class.from_pretrained`` (a transformers auto class) of a local folder, a ``.gguf``
+    file or a hub id, in ``dtype``, eval mode: how :func:`load_causal_lm` and
+    :func:`saopd.models.vlm.load_vlm` load. ``kwargs`` go to ``from_pretrained``; the errors
+    are :func:`resolve_source`'s and :func:`from_pretrained`'s."""
+    source = resolve_source(name_or_path, gguf_file, kind="model")
+    model = from_pretrained(auto_class, source, ("config.json",), revision,
+                            dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code,
+                            **kwargs)
     return model.eval()
 
 

@@ -34,7 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from saopd.models.loading import from_pretrained, load_tokenizer, resolve_dtype, resolve_source
+from saopd.models.loading import (
+    from_pretrained,
+    load_pretrained_model,
+    load_tokenizer,
+    resolve_source,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -241,19 +246,13 @@ def load_vlm_processor(
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
 
 
-def load_vlm(
-    name_or_path: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype = "float32",
-    trust_remote_code: bool = False,
-    revision: str | None = None,
-) -> PreTrainedModel:
+def load_vlm(name_or_path: str | os.PathLike, *, dtype: str | torch.dtype = "float32",
+             trust_remote_code: bool = False, revision: str | None = None) -> PreTrainedModel:
     """A Qwen-VL model (eval mode) via ``AutoModelForImageTextToText`` from a folder or hub id."""
     from transformers import AutoModelForImageTextToText
 
-    source = resolve_source(name_or_path, None, kind="model")
-    model = from_pretrained(AutoModelForImageTextToText, source, ("config.json",), revision,
-                             dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code)
+    model = load_pretrained_model(AutoModelForImageTextToText, name_or_path, dtype=dtype,
+                                  trust_remote_code=trust_remote_code, revision=revision)
     family = getattr(model.config, "model_type", None)
     if family not in VLM_FAMILIES:
         raise ValueError(f"{os.fspath(name_or_path)!r} loaded as {type(model).__name__} "

@@ -56,7 +56,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import fields
@@ -80,7 +79,7 @@ from saopd.vllm.runtime import (
 )
 from saopd.vllm.sampling import VLLMSampling
 from saopd.vllm.scratch import owned_dir, remove_stale_dirs, shm_dir
-from saopd.vllm.shutdown import shutdown_llm
+from saopd.vllm.shutdown import Closing, remove_folder, shutdown_llm
 from saopd.vllm.sync import (
     canonical_weight_name,
     check_sync,
@@ -127,7 +126,7 @@ def _saving_on_every_rank(model: Any) -> Iterator[None]:
         del model.should_save_on_this_rank
 
 
-class VLLMEngine(VLLMSampling):
+class VLLMEngine(VLLMSampling, Closing):
     """Samples rollouts with vLLM from its own copy of the student; synced by ``load_weights``.
     Its sampling (``generate``, the requests, sleep mode) is
     :class:`~saopd.vllm.sampling.VLLMSampling`'s.
@@ -465,7 +464,7 @@ class VLLMEngine(VLLMSampling):
                                                                           shm_dir())
         folder.mkdir(parents=True, exist_ok=True)
         if owned:  # a copy of the student in RAM: gone at exit even if close() is never called
-            atexit.register(shutil.rmtree, folder, True)
+            atexit.register(remove_folder, folder)
         expected = {canonical_weight_name(n): tuple(p.shape)
                     for n, p in model.named_parameters()}
         with _saving_on_every_rank(model):
@@ -486,7 +485,7 @@ class VLLMEngine(VLLMSampling):
             engine = cls(folder, tokenizer, expected_weights=expected, **kwargs)
         except BaseException:
             if owned:
-                shutil.rmtree(folder, ignore_errors=True)
+                remove_folder(folder)
             raise
         engine._owned_model_dir = owned
         return engine
@@ -551,18 +550,11 @@ class VLLMEngine(VLLMSampling):
 
     def _remove_owned_folders(self) -> None:
         """Remove the sync folder and, when this engine created it, the model folder."""
-        if self._sync_dir is not None:
-            shutil.rmtree(self._sync_dir, ignore_errors=True)
-            self._sync_dir = None
+        remove_folder(self._sync_dir)
+        self._sync_dir = None
         if self._owned_model_dir:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
+            remove_folder(self.model_dir)
             self._owned_model_dir = False
-
-    def __enter__(self) -> VLLMEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _GenerationConfigHolder:

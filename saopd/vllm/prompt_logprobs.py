@@ -17,7 +17,7 @@ K and one tail bucket (a lower bound), :func:`assemble_scores` makes the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "assemble_scores",
     "collapse_images",
     "context_prompts",
+    "context_scores",
     "json_entry",
     "response_token_index",
     "scores_from_prompt_logprobs",
@@ -96,6 +97,26 @@ def scores_from_prompt_logprobs(
                 ids[i, j] = torch.tensor(top_ids)
                 tlp[i, j] = torch.tensor(top_lps)
     return lp, ids, tlp
+
+
+def context_scores(
+        prompt_logprobs: Sequence[Sequence[Any]], index: Sequence[torch.Tensor],
+        targets: torch.Tensor, mask: torch.Tensor, *, entry: Callable[[Any], Mapping[int, float]],
+        top_k: int, where: str, error: type[Exception]
+) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """The parts :func:`assemble_scores` takes: :func:`scores_from_prompt_logprobs` of each
+    context (the full one, then the residual one). ``prompt_logprobs[n]`` holds prompt ``n``'s
+    log-prob entries, one a position, each made a ``{token id: log-prob}`` by ``entry``; the
+    prompts are the contexts' rows in turn (``targets.shape[0]`` a context), and ``index[c]``
+    (:func:`response_token_index`) says where context ``c``'s response tokens stand."""
+    b = targets.shape[0]
+    rows = []
+    for n, entries in enumerate(prompt_logprobs):
+        c, i = divmod(n, b)
+        rows.append([entry(entries[j]) for j in index[c][i][mask[i]].tolist()])
+    return [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask, top_k=top_k,
+                                        where=where, error=error)
+            for c in range(len(index))]
 
 
 def topk_entropy(topk_lp: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ installs the torchvision wheel and makes its import work with CPU torch (docs/vl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ from saopd.rollout.base import (
 )
 from saopd.vllm.tp import TensorParallelGroup, gather_group_requests
 
-__all__ = ["VLLMSampling"]
+__all__ = ["VLLMSampling", "checked_rollout"]
 
 
 class VLLMSampling:
@@ -226,16 +226,9 @@ class VLLMSampling:
                                        "(SamplingParams.logprobs=0 was not honoured)")
                 logprobs = [float(pos[t].logprob) for pos, t in
                             zip(comp.logprobs, tokens, strict=True)]
-                if not all(math.isfinite(x) for x in logprobs):
-                    raise RuntimeError(
-                        f"vLLM returned non-finite sampled-token log-probs for prompt {index} "
-                        f"(sample {comp.index}): the served model computes NaN/inf in "
-                        f"{self.dtype}; its samples cannot be trusted (another rollout.dtype, "
-                        "or rollout=hf)")
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
-                batches[s].rollouts.append(Rollout(
-                    prompt_index=index, response_ids=tokens[:end], finished=end is not None,
-                    sampler_logprobs=logprobs[:end], prompt_ids=list(ids)))
+                batches[s].rollouts.append(checked_rollout(
+                    index, ids, tokens, logprobs, stop, source="vLLM", sample=comp.index,
+                    dtype=str(self.dtype), advice=" (another rollout.dtype, or rollout=hf)"))
         self._sleep()
         return batches
 
@@ -250,3 +243,25 @@ class VLLMSampling:
         if todo:
             self.llm.wake_up(tags=todo)
             self._asleep -= set(todo)
+
+
+def checked_rollout(index: int, prompt_ids: Sequence[int], tokens: Sequence[int],
+                    logprobs: Sequence[float], stop: Set[int], *, source: str, sample: int,
+                    dtype: str, advice: str = "") -> Rollout:
+    """One sample of prompt ``index`` as a :class:`~saopd.rollout.base.Rollout`: ``tokens``
+    and their sampler ``logprobs`` cut after the first stop token (``finished``), or whole.
+
+    ``RuntimeError`` where a log-prob is not finite: the model ``source`` serves (in ``dtype``)
+    computes NaN/inf, so none of its samples can be trusted; ``sample`` is the sample's index
+    and ``advice`` (appended to the message) what to change. Shared by the colocated engine and
+    the rollout-server client, which check their samples alike.
+    """
+    if not all(math.isfinite(x) for x in logprobs):
+        raise RuntimeError(
+            f"{source} returned non-finite sampled-token log-probs for prompt {index} "
+            f"(sample {sample}): the served model computes NaN/inf in {dtype}; its samples "
+            f"cannot be trusted{advice}")
+    end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
+    return Rollout(prompt_index=index, response_ids=list(tokens[:end]),
+                   sampler_logprobs=list(logprobs[:end]), finished=end is not None,
+                   prompt_ids=list(prompt_ids))

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from saopd.vllm.scratch import owned_dir, remove_stale_dirs
+from saopd.vllm.shutdown import remove_folder
 
 __all__ = [
     "canonical_weight_name",
@@ -213,7 +214,7 @@ def new_sync_dir(parent: Path | None, model_dir: Path) -> Path:
     are removed first, :func:`~saopd.vllm.scratch.remove_stale_dirs`)."""
     remove_stale_dirs(parent)
     folder = owned_dir("saopd-vllm-sync-", parent)
-    atexit.register(shutil.rmtree, folder, True)
+    atexit.register(remove_folder, folder)
     for name in ("config.json", "generation_config.json"):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, folder / name)

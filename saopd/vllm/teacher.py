@@ -18,7 +18,6 @@ CPU) is :mod:`saopd.vllm.runtime`'s, its shutdown :mod:`saopd.vllm.shutdown`'s.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,8 +32,8 @@ from saopd.vllm.prompt_logprobs import (
     assemble_scores,
     collapse_images,
     context_prompts,
+    context_scores,
     response_token_index,
-    scores_from_prompt_logprobs,
     top_k_for,
 )
 from saopd.vllm.runtime import (
@@ -44,12 +43,12 @@ from saopd.vllm.runtime import (
     require_vllm,
     temporary_environ,
 )
-from saopd.vllm.shutdown import shutdown_llm
+from saopd.vllm.shutdown import Closing, remove_folder, shutdown_llm, stop_pool
 
 __all__ = ["VLLMTeacherScorer"]
 
 
-class VLLMTeacherScorer:
+class VLLMTeacherScorer(Closing):
     """``teacher_scoring=vllm``: a ``vllm.LLM`` of the teacher folder ``model_dir``.
 
     Args:
@@ -195,15 +194,11 @@ class VLLMTeacherScorer:
                 if plp is None or len(plp) != len(got):
                     raise RuntimeError("teacher vLLM engine returned no prompt log-probs "
                                        "(SamplingParams.prompt_logprobs was not honoured)")
-                c, b = divmod(n, targets.shape[0])
-                positions = index[c][b][mask[b]].tolist()
-                rows.append([{int(t): float(v.logprob) for t, v in plp[j].items()}
-                             for j in positions])
-            b = targets.shape[0]
-            parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
-                                                 top_k=k, where="teacher vLLM engine",
-                                                 error=TeacherServiceError)
-                     for c in range(len(contexts))]
+                rows.append(plp)
+            parts = context_scores(
+                rows, index, targets, mask, top_k=k, where="teacher vLLM engine",
+                entry=lambda e: {int(t): float(v.logprob) for t, v in e.items()},
+                error=TeacherServiceError)
             self.last_score_seconds = time.perf_counter() - started
             return assemble_scores(parts, needs, k)
 
@@ -211,19 +206,11 @@ class VLLMTeacherScorer:
 
     def close(self) -> None:
         """Shut the engine down (and remove an owned model folder)."""
-        pool = self.__dict__.pop("_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        stop_pool(self.__dict__.pop("_pool", None), wait=True)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
             shutdown_llm(llm)
             del llm
         if self._owned_dir:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
+            remove_folder(self.model_dir)
             self._owned_dir = False
-
-    def __enter__(self) -> VLLMTeacherScorer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -51,8 +51,6 @@ import atexit
 import contextlib
 import hashlib
 import logging
-import math
-import shutil
 import tempfile
 import threading
 import time
@@ -86,8 +84,10 @@ from saopd.vllm.client.rollout_server import (
     check_models,
     json_number,
 )
+from saopd.vllm.sampling import checked_rollout
 from saopd.vllm.scratch import SYNC_PREFIX, owned_dir, remove_stale_dirs, shm_dir
 from saopd.vllm.server.auth import client_api_key
+from saopd.vllm.shutdown import Closing, remove_folder, stop_pool
 from saopd.vllm.sync import (
     canonical_weight_name,
     checked_weights,
@@ -121,7 +121,7 @@ def _drain(stream: Iterable[Any]) -> None:
         pass
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(Closing):
     """Samples rollouts from ``saopd-serve`` servers; synced by ``load_weights`` (module
     docstring). The constructor connects to the servers and checks them.
 
@@ -376,17 +376,10 @@ class VLLMServerEngine:
                 raise RolloutServerError(
                     f"rollout server {client.url} sampled prompt {index} from other prompt ids "
                     f"than it was sent ({len(prompt)} vs {len(ids)} tokens)")
-            lps = [json_number(v) for v in values]
-            if not all(math.isfinite(x) for x in lps):
-                raise RuntimeError(
-                    f"rollout server {client.url} returned non-finite sampled-token log-probs "
-                    f"for prompt {index} (sample {choice['index']}): the served model computes "
-                    f"NaN/inf in {str(self.dtype).removeprefix('torch.')}; its samples cannot "
-                    "be trusted")
-            end = next((k + 1 for k, t in enumerate(tokens) if t in stop), None)
-            out.append(Rollout(prompt_index=index, response_ids=tokens[:end],
-                               sampler_logprobs=lps[:end], finished=end is not None,
-                               prompt_ids=list(ids)))
+            out.append(checked_rollout(
+                index, ids, tokens, [json_number(v) for v in values], stop,
+                source=f"rollout server {client.url}", sample=choice["index"],
+                dtype=str(self.dtype).removeprefix("torch.")))
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -439,7 +432,7 @@ class VLLMServerEngine:
             return self._sync_dir
         remove_stale_dirs(self._parent)
         folder = owned_dir(SYNC_PREFIX, self._parent)
-        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(remove_folder, folder)
         token = uuid.uuid4().hex
         (folder / PROBE_FILE).write_text(token)
         digest = hashlib.sha256(token.encode()).hexdigest()
@@ -447,7 +440,7 @@ class VLLMServerEngine:
             for client in self.clients:
                 client.read_probe(folder, digest)
         except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_folder(folder)
             raise
         (folder / PROBE_FILE).unlink()
         self._sync_dir = folder
@@ -484,15 +477,8 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         """Remove the shard folder (the servers keep running: they are not the engine's)."""
-        if self._sync_dir is not None:
-            shutil.rmtree(self._sync_dir, ignore_errors=True)
-            self._sync_dir = None
-
-    def __enter__(self) -> VLLMServerEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        remove_folder(self._sync_dir)
+        self._sync_dir = None
 
 
 def _map_in_threads(fn: Callable[[Any], Any], items: Iterable[Any], workers: int) -> list[Any]:
@@ -511,4 +497,4 @@ def _map_in_threads(fn: Callable[[Any], Any], items: Iterable[Any], workers: int
                 raise future.exception()  # type: ignore[misc]
         return [future.result() for future in futures]
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        stop_pool(pool, wait=False)

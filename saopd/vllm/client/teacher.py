@@ -29,12 +29,13 @@ from saopd.vllm.client.teacher_server import (
 from saopd.vllm.prompt_logprobs import (
     assemble_scores,
     context_prompts,
+    context_scores,
     json_entry,
     response_token_index,
-    scores_from_prompt_logprobs,
     top_k_for,
 )
 from saopd.vllm.server.auth import client_api_key
+from saopd.vllm.shutdown import Closing, stop_pool
 
 if TYPE_CHECKING:
     from saopd.config.model import ModelConfig
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["VLLMServerTeacherScorer"]
 
 
-class VLLMServerTeacherScorer:
+class VLLMServerTeacherScorer(Closing):
     """``teacher_scoring=vllm_server``: teacher servers (``saopd-serve --model <teacher>``).
 
     Start-up waits for every server's ``/health``, reads ``/v1/models`` (``model``, or the
@@ -147,28 +148,15 @@ class VLLMServerTeacherScorer:
             answers: list[tuple[list[int], list[Any]]] = []
             for future in futures:
                 answers += future.result()
-            rows = []
-            for n, (_, plp) in enumerate(answers):
-                c, b = divmod(n, targets.shape[0])
-                positions = index[c][b][mask[b]].tolist()
-                rows.append([json_entry(plp[j], TeacherServiceError) for j in positions])
-            b = targets.shape[0]
-            parts = [scores_from_prompt_logprobs(rows[c * b:(c + 1) * b], targets, mask,
-                                                 top_k=k, where="teacher server",
-                                                 error=TeacherServiceError)
-                     for c in range(len(contexts))]
+            parts = context_scores(
+                [plp for _, plp in answers], index, targets, mask, top_k=k,
+                entry=lambda e: json_entry(e, TeacherServiceError), where="teacher server",
+                error=TeacherServiceError)
             self.last_score_seconds = time.perf_counter() - started
             return assemble_scores(parts, needs, k)
 
         return FutureTeacherScores(self._pool.submit(gather))
 
     def close(self) -> None:
-        pool = self.__dict__.pop("_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    def __enter__(self) -> VLLMServerTeacherScorer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Stop the request threads (the servers keep running: they are not the scorer's)."""
+        stop_pool(self.__dict__.pop("_pool", None), wait=False)
