@@ -89,6 +89,7 @@ class VLLMTeacherScorer(Closing):
         self.top_k = int(top_k)
         self.processor = processor
         self._owned_dir = owned_dir
+        self._in_process = bool(in_process)
         self._image_id: int | None = None
         if processor is not None:
             self._image_id = int(processor.tokenizer.convert_tokens_to_ids(
@@ -209,7 +210,9 @@ class VLLMTeacherScorer(Closing):
         stop_pool(self.__dict__.pop("_pool", None), wait=True)
         llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            shutdown_llm(llm)
+            # an engine core in this process set vLLM's distributed state up here: it goes
+            # too, so that another in-process engine can start after this one
+            shutdown_llm(llm, distributed="all" if self._in_process else "none")
             del llm
         if self._owned_dir:
             remove_folder(self.model_dir)

@@ -8,14 +8,17 @@ every step, which holds only if every rank's engine got the updated weights afte
 
     python tests/integration/vllm/dist_vllm_worker.py OUT STRATEGY DEVICES [OVERRIDE ...]
 
-Every rank writes OUT/rollouts_rank<R>.json (per step: its prompts' messages and responses)
-and OUT/engine_rank<R>.json (how its engine is laid out: tensor parallelism, its embedding
-shard's rows, the tensors the last sync check compared); rank 0 writes OUT/losses.json; the
-final student is OUT/run/checkpoints/last.ckpt.
+Every rank writes OUT/rollouts_rank<R>.json (per step: its prompts' messages and responses),
+OUT/sampled_rank<R>.json (its step-0 prompts sampled once more, not greedily: n=2 at
+temperature 1 with the seed the run's rollouts of that step and rank use, from the weights the
+step's rollouts came from) and OUT/engine_rank<R>.json (how its engine is laid out: tensor
+parallelism, its embedding shard's rows, the tensors the last sync check compared); rank 0
+writes OUT/losses.json; the final student is OUT/run/checkpoints/last.ckpt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -60,6 +63,32 @@ class Record(L.Callback):
                 "sync_checked": engine.last_sync_checked}))
 
 
+class SampleStepZero(L.Callback):
+    """Step 0's prompts of this rank sampled with n=2 at temperature 1 by the run's engine
+    (every rank calls it at the same point: a tensor-parallel engine samples as a group)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx != 0:
+            return
+        cb = next(c for c in trainer.callbacks if type(c).__name__ == "RolloutCallback")
+        engine, base = cb.engine, cb.sampling
+        # the seed the run's step 0 gives this rank (RolloutCallback: seed + step + 1_000_003
+        # * rank), so that one engine per rank and a shared one are asked for the same draws
+        sampling = dataclasses.replace(base, n=2, temperature=1.0,
+                                       seed=base.seed + 1_000_003 * trainer.global_rank)
+        greedy, engine.greedy = engine.greedy, False
+        try:
+            got = engine.generate(batch.messages, sampling)
+        finally:
+            engine.greedy = greedy
+        (self.out / f"sampled_rank{trainer.global_rank}.json").write_text(json.dumps({
+            "messages": [m[-1]["content"] for m in batch.messages],
+            "responses": [r.response_ids for r in got.rollouts]}))
+
+
 def main() -> None:
     out, strategy, devices, *extra = sys.argv[1:]
     out = Path(out)
@@ -76,7 +105,7 @@ def main() -> None:
     ]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("train", overrides=overrides)
-    train(cfg, extra_callbacks=[Record(out)])
+    train(cfg, extra_callbacks=[Record(out), SampleStepZero(out)])
 
 
 if __name__ == "__main__":

@@ -36,20 +36,30 @@ MODULES = {"teacher_scoring": teacher_scoring, "rollout": rollout_vllm}
 
 
 @pytest.mark.parametrize("owner", list(CASES))
-def test_tiny_trains_with_no_memory_option(make_cfg, monkeypatch, owner: str) -> None:
-    from saopd.train import train
+def test_tiny_trains_with_no_memory_option(make_cfg, monkeypatch, request, owner: str) -> None:
+    if owner == "teacher_scoring":
+        # the session's experiment=tiny run with teacher_scoring=vllm and no memory option
+        # (conftest.py; test_teacher_scoring.py compares its steps with HF scoring's)
+        runs = request.getfixturevalue("tiny_teacher_runs")
+        summary, before, sized = (runs.served_summary, runs.available_before,
+                                  runs.kv_cache_bytes)
+        steps = 3
+    else:
+        from saopd.train import train
 
-    sized: list[int | None] = []
+        sized = []
 
-    def spy(*args, **kwargs):
-        sized.append(runtime.cpu_kv_cache_bytes(*args, **kwargs))
-        return sized[-1]
+        def spy(*args, **kwargs):
+            sized.append(runtime.cpu_kv_cache_bytes(*args, **kwargs))
+            return sized[-1]
 
-    monkeypatch.setattr(MODULES[owner], "cpu_kv_cache_bytes", spy)
-    before = available_memory()
-    summary = train(make_cfg("experiment=tiny", "steps=1", "trainer.view_every_n_steps=0",
-                             *CASES[owner], mlflow=False))
-    assert summary["steps"] == 1 and torch.isfinite(torch.tensor(summary["metrics"]["train/loss"]))
+        monkeypatch.setattr(MODULES[owner], "cpu_kv_cache_bytes", spy)
+        before = available_memory()
+        steps = 1
+        summary = train(make_cfg("experiment=tiny", "steps=1", "trainer.view_every_n_steps=0",
+                                 *CASES[owner], mlflow=False))
+    assert summary["steps"] == steps
+    assert torch.isfinite(torch.tensor(summary["metrics"]["train/loss"]))
     # the tiny model (4096 positions, ~1 KiB per token) gets room for vLLM's 256 sequences,
     # within a quarter of what was free
     assert before is not None and len(sized) == 1 and sized[0] is not None

@@ -35,7 +35,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import lightning as L
 import torch
 
 from saopd.contexts.text import collate_contexts
@@ -44,9 +43,15 @@ from saopd.scoring.passes import ScoringNeeds, score_frozen, score_student, scor
 from saopd.vllm.client.teacher import VLLMServerTeacherScorer
 from saopd.vllm.client.teacher_server import TeacherServiceError
 from saopd.vllm.teacher import VLLMTeacherScorer
+from tests.integration.vllm.conftest import TINY_3_STEPS, StepRecord
 
 TOL = 1e-4
-ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "max_model_len": 512}
+# the engine core in this process starts several times faster on CPU than in its own (the
+# scores do not depend on where it runs; the default, in its own process, is what the whole
+# runs below and test_cpu_memory.py start); one in-process engine at a time, so each engine
+# below lives in a class-scoped fixture or a single test
+ENGINE_KW = {"dtype": "float32", "kv_cache_gb": 0.25, "enforce_eager": True, "max_model_len": 512,
+             "in_process": True}
 MESSAGES = [
     [{"role": "user", "content": "Alice has 3 apples and then 4 more. How many apples are there?"}],
     [{"role": "user", "content": "hi"}],
@@ -64,9 +69,9 @@ def _assert_close(got: Any, ref: Any, mask: torch.Tensor, names=("lp_teacher", "
         assert diff < TOL, f"{name}: max |vLLM - HF| = {diff:.3g}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def tiny(tmp_path_factory):
-    """(tokenizer, teacher, student, folder, engine with top_k=8): one engine for the module."""
+    """(tokenizer, teacher, student, folder, engine with top_k=8): one engine for the class."""
     tok = tiny_tokenizer()
     teacher = tiny_qwen3(tok, layers=2, seed=5).eval()
     student = tiny_qwen3(tok, layers=1, seed=6).eval()
@@ -83,45 +88,46 @@ def _responses(tok: Any, n: int = 3) -> list[list[int]]:
             for a in ANSWERS[:n]]
 
 
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_tiny_teacher_equals_hf(tiny, side) -> None:
-    tok, teacher, _, _, scorer = tiny
-    batch = collate_contexts(tok, MESSAGES, _responses(tok), padding_side=side)
-    needs = ScoringNeeds(residual=True)
-    ref, _ = score_teacher(batch, teacher, needs=needs)
-    got = scorer.submit(batch, needs).result()
-    _assert_close(got, ref, batch.response_mask)
-    assert scorer.last_score_seconds is not None
+class TestTinyTeacher:
+    """A tiny Qwen3 teacher's engine (top_k=8), shared by the tests of the class."""
 
+    @pytest.mark.parametrize("side", ["right", "left"])
+    def test_tiny_teacher_equals_hf(self, tiny, side) -> None:
+        tok, teacher, _, _, scorer = tiny
+        batch = collate_contexts(tok, MESSAGES, _responses(tok), padding_side=side)
+        needs = ScoringNeeds(residual=True)
+        ref, _ = score_teacher(batch, teacher, needs=needs)
+        got = scorer.submit(batch, needs).result()
+        _assert_close(got, ref, batch.response_mask)
+        assert scorer.last_score_seconds is not None
 
-def test_the_teacher_scores_its_own_contexts(tiny) -> None:
-    tok, teacher, _, _, scorer = tiny
-    responses = _responses(tok)
-    batch = collate_contexts(tok, MESSAGES, responses)
-    own = collate_contexts(tok, [[{"role": "system", "content": "Be exact."}, *m[-1:]]
-                                 for m in MESSAGES], responses, padding_side="left")
-    paired = dataclasses.replace(batch, teacher=own)
-    needs = ScoringNeeds(residual=True)
-    got = scorer.submit(paired, needs).result()
-    ref, _ = score_teacher(paired, teacher, needs=needs)
-    _assert_close(got, ref, batch.response_mask)
+    def test_the_teacher_scores_its_own_contexts(self, tiny) -> None:
+        tok, teacher, _, _, scorer = tiny
+        responses = _responses(tok)
+        batch = collate_contexts(tok, MESSAGES, responses)
+        own = collate_contexts(tok, [[{"role": "system", "content": "Be exact."}, *m[-1:]]
+                                     for m in MESSAGES], responses, padding_side="left")
+        paired = dataclasses.replace(batch, teacher=own)
+        needs = ScoringNeeds(residual=True)
+        got = scorer.submit(paired, needs).result()
+        ref, _ = score_teacher(paired, teacher, needs=needs)
+        _assert_close(got, ref, batch.response_mask)
 
-
-def test_top_k_lists_equal_hf_and_the_step_overlaps(tiny) -> None:
-    tok, teacher, student, _, scorer = tiny
-    batch = collate_contexts(tok, MESSAGES, _responses(tok))
-    needs = ScoringNeeds(residual=True, teacher_top_k=4)
-    with torch.no_grad():
-        ref = score_student(batch, score_frozen(batch, student=student, teacher=teacher,
-                                                reference=None, needs=needs),
-                            student=student, needs=needs)
-        frozen = score_frozen(batch, student=student, teacher=None, reference=None,
-                              needs=needs, teacher_scores=scorer.submit(batch, needs))
-        got = score_student(batch, frozen, student=student, needs=needs)
-    mask = batch.response_mask
-    _assert_close(got, ref, mask, ("lp_teacher", "lp_teacher_res", "teacher_topk_lp_teacher",
-                                   "teacher_topk_lp_student"))
-    assert torch.equal(got.teacher_topk_ids[mask], ref.teacher_topk_ids[mask])
+    def test_top_k_lists_equal_hf_and_the_step_overlaps(self, tiny) -> None:
+        tok, teacher, student, _, scorer = tiny
+        batch = collate_contexts(tok, MESSAGES, _responses(tok))
+        needs = ScoringNeeds(residual=True, teacher_top_k=4)
+        with torch.no_grad():
+            ref = score_student(batch, score_frozen(batch, student=student, teacher=teacher,
+                                                    reference=None, needs=needs),
+                                student=student, needs=needs)
+            frozen = score_frozen(batch, student=student, teacher=None, reference=None,
+                                  needs=needs, teacher_scores=scorer.submit(batch, needs))
+            got = score_student(batch, frozen, student=student, needs=needs)
+        mask = batch.response_mask
+        _assert_close(got, ref, mask, ("lp_teacher", "lp_teacher_res",
+                                       "teacher_topk_lp_teacher", "teacher_topk_lp_student"))
+        assert torch.equal(got.teacher_topk_ids[mask], ref.teacher_topk_ids[mask])
 
 
 def test_smollm2_float32_equals_hf() -> None:
@@ -143,11 +149,12 @@ def test_smollm2_float32_equals_hf() -> None:
             _assert_close(got, ref, batch.response_mask)
 
 
-@pytest.mark.parametrize("remove", ["all", "text"])
-def test_tiny_qwen2_vl_pair_equals_hf(remove) -> None:
-    """Images go as multimodal inputs; vLLM's expansion is checked against saopd's."""
-    from saopd.config.step import StepConfig
-    from saopd.contexts.vision import VisionContexts
+@pytest.fixture(scope="class")
+def vl_pair():
+    """(tokenizer, processor, model, messages, scorer): a tiny Qwen2-VL teacher and its
+    engine, one for both ways of removing the privileged context."""
+    import tempfile
+
     from saopd.models.tiny_vlm import tiny_vlm, tiny_vlm_processor, tiny_vlm_tokenizer
     from saopd.models.vlm import save_processor_for_vllm
     from tests.helpers.vlm import chats
@@ -155,37 +162,33 @@ def test_tiny_qwen2_vl_pair_equals_hf(remove) -> None:
     tok = tiny_vlm_tokenizer()
     proc = tiny_vlm_processor(tok, kind="qwen2_vl")
     model = tiny_vlm(tok, kind="qwen2_vl", seed=3).eval()
-    import tempfile
-
     folder = Path(tempfile.mkdtemp(prefix="saopd-test-vlm-"))
     model.save_pretrained(folder)
     save_processor_for_vllm(proc, folder, model.config.model_type)
-    messages = chats()
-    responses = [tok(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
-    batch = VisionContexts(proc, remove=remove).collate(messages, responses, step=StepConfig())
-    needs = ScoringNeeds(residual=True)
-    ref, _ = score_teacher(batch, model, needs=needs)
     with VLLMTeacherScorer(folder, processor=proc, max_images_per_prompt=2, owned_dir=True,
                            **ENGINE_KW) as scorer:
+        yield tok, proc, model, chats(), scorer
+
+
+class TestTinyQwen2VLPair:
+    """Images go as multimodal inputs; vLLM's expansion is checked against saopd's."""
+
+    @pytest.mark.parametrize("remove", ["all", "text"])
+    def test_tiny_qwen2_vl_pair_equals_hf(self, vl_pair, remove) -> None:
+        from saopd.config.step import StepConfig
+        from saopd.contexts.vision import VisionContexts
+
+        tok, proc, model, messages, scorer = vl_pair
+        responses = [tok(a, add_special_tokens=False)["input_ids"] for a in ANSWERS]
+        batch = VisionContexts(proc, remove=remove).collate(messages, responses,
+                                                            step=StepConfig())
+        needs = ScoringNeeds(residual=True)
+        ref, _ = score_teacher(batch, model, needs=needs)
         got = scorer.submit(batch, needs, messages=messages).result()
-    _assert_close(got, ref, batch.response_mask)
+        _assert_close(got, ref, batch.response_mask)
 
 
 # ---- whole runs -------------------------------------------------------------------------------
-class _Record(L.Callback):
-    def __init__(self) -> None:
-        self.steps: list[tuple[torch.Tensor, float]] = []
-        self.teacher: Any = "unset"
-        self.waits: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, *args: Any) -> None:
-        m = trainer.callback_metrics
-        self.steps.append((outputs["view"].filtered.clone(), float(m["train/loss"])))
-        self.teacher = pl_module.teacher
-        if "train/teacher_wait" in m:
-            self.waits.append(float(m["train/teacher_wait"]))
-
-
 def _teacher_folder(root: Path) -> Path:
     tok = tiny_tokenizer()
     folder = root / "teacher"
@@ -196,19 +199,12 @@ def _teacher_folder(root: Path) -> Path:
     return folder
 
 
-COMMON = ["experiment=tiny", "steps=3", "trainer.view_every_n_steps=0",
-          "trainer.checkpoint_every_n_steps=3"]
+COMMON = list(TINY_3_STEPS)
 
 
-def test_three_sa_opd_steps_filter_as_hf(make_cfg, tmp_path) -> None:
-    from saopd.train import train
-
-    hf = _Record()
-    train(make_cfg(*COMMON, mlflow=False, tmp=tmp_path / "hf"), extra_callbacks=[hf])
-    served = _Record()
-    train(make_cfg(*COMMON, "teacher_scoring=vllm", "teacher_scoring.kv_cache_gb=0.25",
-                   "teacher_scoring.enforce_eager=true", "teacher_scoring.max_model_len=1024",
-                   mlflow=False, tmp=tmp_path / "vllm"), extra_callbacks=[served])
+def test_three_sa_opd_steps_filter_as_hf(tiny_teacher_runs) -> None:
+    # the session's runs (conftest.py): HF scoring, and vLLM scoring given no memory option
+    hf, served = tiny_teacher_runs.hf, tiny_teacher_runs.served
     assert served.teacher is None and hf.teacher is not None
     assert len(served.steps) == len(hf.steps) == 3 and len(served.waits) == 3
     for step, ((f_a, loss_a), (f_b, loss_b)) in enumerate(zip(hf.steps, served.steps,
@@ -248,7 +244,7 @@ def test_vllm_server_trains_three_steps_and_a_dead_server_is_named(make_cfg, tmp
     folder = _teacher_folder(tmp_path)
     log = tmp_path / "serve.log"
     common = [*COMMON, "teacher.tiny=null", f"teacher.name_or_path={folder}"]
-    hf = _Record()
+    hf = StepRecord()
     train(make_cfg(*common, mlflow=False, tmp=tmp_path / "hf"), extra_callbacks=[hf])
     with _serve(folder, log) as (url, proc):
         try:
@@ -256,7 +252,7 @@ def test_vllm_server_trains_three_steps_and_a_dead_server_is_named(make_cfg, tmp
         except TeacherServiceError:
             raise AssertionError(f"saopd-serve did not start:\n{log.read_text()[-3000:]}"
                                  ) from None
-        served = _Record()
+        served = StepRecord()
         summary = train(make_cfg(*common, "teacher_scoring=vllm_server",
                                  f"teacher_scoring.urls=[{url}]", mlflow=False,
                                  tmp=tmp_path / "srv"), extra_callbacks=[served])

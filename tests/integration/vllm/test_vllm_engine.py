@@ -5,8 +5,9 @@ After a weight sync the engine's greedy samples equal HF greedy decoding of the 
 (and differ from the old weights'); sampled-token log-probs equal HF's teacher-forced raw
 log-probs; prompt truncation/skip counts equal HFGenerateEngine's; n > 1 groups by prompt;
 a wrong, missing or mis-shaped weight name is refused before anything is sent; the
-multiprocess engine syncs through safetensors files; and one training step with rollout=vllm
-runs through saopd.train.train with a sync after the step.
+multiprocess engine (in a 3-step run with one-step-off rollouts) syncs through safetensors
+files; and one training step with rollout=vllm runs through saopd.train.train with a sync
+after the step.
 """
 
 from __future__ import annotations
@@ -148,20 +149,6 @@ def test_nan_weights_are_caught_at_sync_and_in_samples(tok) -> None:
         eng.generate(CHATS[:1], SamplingParams(max_new_tokens=4, seed=0))
 
 
-@pytest.mark.slow
-def test_multiprocess_engine_syncs_through_files(tok) -> None:
-    old, new = _model(tok, 1), _model(tok, 2)
-    with VLLMEngine.from_model(old, tok, in_process=False, weight_bucket_mb=1,
-                               **ENGINE_KW) as eng:
-        assert eng.transport == "files"
-        eng.load_weights(new.named_parameters())
-        files = sorted(p.name for p in eng._sync_dir.iterdir())
-        assert "model.safetensors.index.json" in files and "model-00000.safetensors" in files
-        _assert_same_as_hf(_greedy(eng, CHATS), _hf_greedy(new, tok, CHATS))
-        sync_dir = eng._sync_dir
-    assert not sync_dir.exists()
-
-
 # ---- tests on the module's engine -------------------------------------------------------
 def test_is_a_rollout_engine(engine) -> None:
     assert isinstance(engine, RolloutEngine)
@@ -287,18 +274,46 @@ def test_one_training_step_with_vllm_rollouts(make_cfg, engine) -> None:
     _assert_same_as_hf(check.ours, check.theirs)
 
 
+class _CheckFileSync(L.Callback):
+    """After training, on the out-of-process engine: it synced through safetensors shards in
+    its sync folder, samples greedily what HF samples from the trained student, and closing
+    it removes the folder."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
+        from saopd.lightning.callbacks import RolloutCallback
+
+        (cb,) = [c for c in trainer.callbacks if isinstance(c, RolloutCallback)]
+        eng = cb.engine
+        assert isinstance(eng, VLLMEngine) and eng.transport == "files"
+        self.files = sorted(p.name for p in eng._sync_dir.iterdir())
+        self.ours = _greedy(eng, CHATS, max_new_tokens=8)
+        self.theirs = _hf_greedy(pl_module.student, pl_module.tokenizer, CHATS,
+                                 max_new_tokens=8)
+        self.sync_dir = eng._sync_dir
+        eng.close()
+
+
 def test_one_step_off_rollouts_with_an_out_of_process_engine(make_cfg) -> None:
     """rollout.async_steps=1 on real vLLM: step k+1 is sampled in a background thread (the
-    engine core in its own process) while step k trains; the sync after each step waits for it."""
+    engine core in its own process) while step k trains; the sync after each step waits for it.
+    The out-of-process engine syncs through safetensors files (1 MB buckets here): after the
+    last sync it samples what HF samples from the trained student."""
     from saopd.train import train
 
+    check = _CheckFileSync()
     summary = train(make_cfg("experiment=tiny", "rollout=vllm", "steps=3",
                              "rollout.in_process=false", "rollout.async_steps=1",
+                             "rollout.weight_bucket_mb=1",
                              "rollout.kv_cache_gb=0.25", "rollout.enforce_eager=true",
                              "rollout.max_model_len=1024", "trainer.view_every_n_steps=0",
-                             mlflow=False))
+                             mlflow=False), extra_callbacks=[check])
     assert summary["steps"] == 3
     metrics = summary["metrics"]
     assert metrics["train/rollout_staleness"] == 1.0  # the last step trained on stale samples
     assert torch.isfinite(torch.tensor(metrics["train/loss"]))
     assert 0 < metrics["train/importance_ratio"] <= 5.0  # the correction was applied
+    # the engine core in its own process synced through files, to the trained weights
+    assert "model.safetensors.index.json" in check.files
+    assert "model-00000.safetensors" in check.files
+    _assert_same_as_hf(check.ours, check.theirs)
+    assert not check.sync_dir.exists()

@@ -9,6 +9,10 @@ Greedy rollouts depend only on the student's weights and the prompt, so the two 
 concatenated in rank order, must equal one process's at every step (step 2 samples from the
 weights synced after step 1: a rank whose engine missed the sync would differ), and after 2
 steps the student must equal the one-process run's (the data-parallel parity tolerance).
+Each 2-rank run (one engine per rank, or one shared over the ranks; DDP or FSDP2) is started
+once for the module (a run costs minutes on a 2-core CPU) and read by every test that needs it:
+the DDP runs also sample their step-0 prompts with n=2 at temperature 1, the draws the seeded
+test compares.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,6 +57,25 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     return run_worker(tmp_path_factory.mktemp("single"), "auto", 1)
 
 
+TP = ("rollout.tensor_parallel_size=2",)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, tuple]]:
+    """``two_ranks(strategy, *overrides)``: the folder and result of that 2-rank run, each run
+    once for the module."""
+    runs: dict[tuple[str, ...], tuple[Path, tuple]] = {}
+
+    def get(strategy: str, *extra: str) -> tuple[Path, tuple]:
+        key = (strategy, *extra)
+        if key not in runs:
+            out = tmp_path_factory.mktemp(f"{strategy}-{'tp' if extra else 'own'}")
+            runs[key] = (out, run_worker(out, strategy, 2, *extra))
+        return runs[key]
+
+    return get
+
+
 def _assert_equal_runs(run: tuple, single: tuple) -> None:
     steps, losses, state = run
     ref_steps, ref_losses, ref_state = single
@@ -71,16 +95,16 @@ def _assert_equal_runs(run: tuple, single: tuple) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_ranks_with_their_own_engines_equal_one_process(single, tmp_path: Path,
+def test_two_ranks_with_their_own_engines_equal_one_process(single, two_ranks,
                                                             strategy: str) -> None:
-    _assert_equal_runs(run_worker(tmp_path, strategy, 2), single)
+    _assert_equal_runs(two_ranks(strategy)[1], single)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_sharing_one_tensor_parallel_engine_equal_one_process(
-        single, tmp_path: Path, strategy: str) -> None:
-    run = run_worker(tmp_path, strategy, 2, "rollout.tensor_parallel_size=2")
-    engines = [json.loads((tmp_path / f"engine_rank{r}.json").read_text()) for r in range(2)]
+        single, two_ranks, strategy: str) -> None:
+    out, run = two_ranks(strategy, *TP)
+    engines = [json.loads((out / f"engine_rank{r}.json").read_text()) for r in range(2)]
     for info in engines:  # one engine over both ranks: each holds half of the vocabulary rows
         assert info["colocated_tensor_parallel"] and info["vllm_tensor_parallel_size"] == 2
         assert info["embed_rows"] * 2 >= info["vocab_size"] > info["embed_rows"]
@@ -88,16 +112,19 @@ def test_two_ranks_sharing_one_tensor_parallel_engine_equal_one_process(
     _assert_equal_runs(run, single)
 
 
-def test_seeded_sampling_through_a_shared_engine_equals_one_engine_per_rank(
-        tmp_path: Path) -> None:
+def _sampled(out: Path) -> dict[str, list]:
+    """Step 0's sampled draws of a 2-rank run, rank 0's rows then rank 1's."""
+    ranks = [json.loads((out / f"sampled_rank{r}.json").read_text()) for r in range(2)]
+    return {key: [x for rank in ranks for x in rank[key]] for key in ("messages", "responses")}
+
+
+def test_seeded_sampling_through_a_shared_engine_equals_one_engine_per_rank(two_ranks) -> None:
     # rank r's prompt i is sampled with the seed its own engine gives it, inside the group's
     # one generate call: the same samples as one engine per rank (step 0: the same weights;
     # later steps also agreed here, but depend on the kernels' rounding under tensor
     # parallelism)
-    sampled = ("rollout.greedy=false", "rollout.n=2", "rollout.temperature=1.0")
-    own, _, _ = run_worker(tmp_path / "own", "ddp", 2, *sampled)
-    shared, _, _ = run_worker(tmp_path / "tp", "ddp", 2, "rollout.tensor_parallel_size=2",
-                              *sampled)
-    assert own[0]["messages"] == shared[0]["messages"]
-    assert len(own[0]["responses"]) == 8  # 4 prompts x n=2
-    assert own[0]["responses"] == shared[0]["responses"]
+    own = _sampled(two_ranks("ddp")[0])
+    shared = _sampled(two_ranks("ddp", *TP)[0])
+    assert own["messages"] == shared["messages"]
+    assert len(own["responses"]) == 8  # 4 prompts x n=2
+    assert own["responses"] == shared["responses"]
