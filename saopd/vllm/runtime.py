@@ -116,18 +116,19 @@ def temporary_environ(env: Mapping[str, str | None]) -> Iterator[None]:
     """``os.environ`` with ``env`` applied (None = removed) inside the block, restored after."""
     saved = {k: os.environ.get(k) for k in env}
     try:
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environ(env)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environ(saved)
+
+
+def _set_environ(env: Mapping[str, str | None]) -> None:
+    """Set each variable of ``env`` in ``os.environ`` (None = removed)."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def colocated_environ(local_rank: int) -> dict[str, str | None]:
