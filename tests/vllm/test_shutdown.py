@@ -5,13 +5,15 @@ tests/integration/vllm)."""
 from __future__ import annotations
 
 import sys
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from saopd.vllm.shutdown import TEARDOWNS, shutdown_llm
+from saopd.vllm.shutdown import TEARDOWNS, Closing, remove_folder, shutdown_llm, stop_pool
 
 
 class _Recorder:
@@ -78,3 +80,49 @@ def test_an_engine_without_a_core_and_an_unknown_teardown(monkeypatch) -> None:
     assert TEARDOWNS == ("none", "all", "vllm_groups")
     with pytest.raises(ValueError, match=r"distributed must be one of .*got 'some'"):
         shutdown_llm(_llm(calls), distributed="some")
+
+
+class _Owner(Closing):
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_closing_closes_on_the_way_out_even_after_an_error() -> None:
+    with _Owner() as owner:
+        assert owner.closed == 0
+    assert owner.closed == 1
+    other = _Owner()
+    with pytest.raises(KeyError), other:
+        raise KeyError("inside")
+    assert other.closed == 1
+    with pytest.raises(NotImplementedError):
+        Closing().close()
+
+
+def test_stop_pool_waits_or_cancels_what_has_not_started() -> None:
+    stop_pool(None, wait=True)  # nothing to stop
+    release = threading.Event()
+    pool = ThreadPoolExecutor(max_workers=1)
+    running = pool.submit(release.wait, 30)
+    queued = pool.submit(lambda: "ran")
+    stop_pool(pool, wait=False)  # returns at once, the queued call cancelled
+    assert queued.cancelled() and not running.done()
+    release.set()
+    assert running.result(timeout=30) is True
+    pool = ThreadPoolExecutor(max_workers=1)
+    done = [pool.submit(lambda i=i: i) for i in range(3)]
+    stop_pool(pool, wait=True)  # every submitted call ran
+    assert [f.result(timeout=0) for f in done] == [0, 1, 2]
+
+
+def test_remove_folder_removes_a_tree_and_ignores_what_is_not_there(tmp_path) -> None:
+    tree = tmp_path / "a"
+    (tree / "b").mkdir(parents=True)
+    (tree / "b" / "f.txt").write_text("x")
+    remove_folder(tree)
+    assert not tree.exists()
+    remove_folder(tree)  # already gone: no error
+    remove_folder(None)
