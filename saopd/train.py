@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import time
@@ -172,15 +173,23 @@ def _fit(trainer: L.Trainer, module: OPDModule, data: PromptDataModule,
 
 
 def saved_step(folder: Path) -> str:
-    """Which step of run ``folder`` is saved: ``"step 5 is saved in <file>"`` (the file
-    ``checkpoints/last.ckpt`` points to), or ``"no step is saved yet"``."""
+    """Which step of run ``folder`` is saved: ``"step 5 is saved in <file>"``, the file
+    ``checkpoints/last.ckpt`` points to, or ``last.ckpt`` itself when a preemption saved the
+    step there (its step read from the file, tensors mapped, not loaded); ``"no step is saved
+    yet"`` without one."""
     last = folder / "checkpoints" / "last.ckpt"
     if not last.exists():
         return "no step is saved yet"
     target = last.resolve()
     match = re.fullmatch(r"step_(\d+)\.ckpt", target.name)
-    return (f"step {int(match[1])} is saved in {target}" if match
-            else f"the last saved step is in {last}")
+    if match:
+        return f"step {int(match[1])} is saved in {target}"
+    try:
+        step = int(torch.load(target, map_location="cpu", weights_only=True,
+                              mmap=True)["global_step"])
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
+        return f"the last saved step is in {last}"
+    return f"step {step} is saved in {last}"
 
 
 def _use_threads(threads: int | None) -> None:

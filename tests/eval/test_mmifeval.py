@@ -161,12 +161,12 @@ def test_bad_metadata_is_refused(meta: dict, match: str) -> None:
 
 
 def test_runner_grades_mmifeval_by_constraints_and_counts_ungraded(monkeypatch) -> None:
-    import saopd.eval.runner as runner
+    import saopd.eval.graders as graders
 
     def no_math(*args, **kwargs):
         raise AssertionError("MM-IFEval rows must not go to math-verify")
 
-    monkeypatch.setattr(runner, "grade_many", no_math)
+    monkeypatch.setattr(graders, "grade_many", no_math)
     p_meta = {"format": "mmifeval", "tag": "P-Level", "question": "q", "answer_list": ["a"]}
     problems = {
         "c": EvalProblem("c", [{"role": "user", "content": "x"}], "", "mmifeval", _c_level()),

@@ -100,12 +100,12 @@ class ScriptedEngine:
 
 
 def test_runner_grades_vision_formats_without_math_verify(monkeypatch) -> None:
-    import saopd.eval.runner as runner
+    import saopd.eval.graders as graders
 
     def no_math(*args, **kwargs):
         raise AssertionError("vision rows must not go to math-verify")
 
-    monkeypatch.setattr(runner, "grade_many", no_math)
+    monkeypatch.setattr(graders, "grade_many", no_math)
     problems = load_benchmark("synth_vqa", synth_dir().parent / "eval")
     res = evaluate_benchmark("synth_vqa", problems, ScriptedEngine(problems), tiny_tokenizer(),
                              SamplingParams(n=1, max_new_tokens=8), batch_size=4)

@@ -109,3 +109,23 @@ def test_sigterm_saves_the_step_and_exits_143(tmp_path: Path) -> None:
     assert 0 < state["global_step"] < 100000
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values()
                if v.is_floating_point())
+
+
+def test_saved_step_names_the_step_whether_last_ckpt_is_a_link_or_a_file(tmp_path: Path
+                                                                           ) -> None:
+    """A periodic save links ``last.ckpt`` to ``step_N.ckpt``; a preemption saves the step into
+    ``last.ckpt`` itself: both say which step (a sweep's ``KILLED.json`` and the dead-server
+    message quote it), and a file that is no checkpoint is named without a step."""
+    from saopd.train import saved_step
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    assert saved_step(tmp_path) == "no step is saved yet"
+    torch.save({"global_step": 4, "state_dict": {}}, ckpts / "step_000004.ckpt")
+    (ckpts / "last.ckpt").symlink_to("step_000004.ckpt")
+    assert saved_step(tmp_path) == f"step 4 is saved in {ckpts / 'step_000004.ckpt'}"
+    (ckpts / "last.ckpt").unlink()
+    torch.save({"global_step": 7, "state_dict": {}}, ckpts / "last.ckpt")
+    assert saved_step(tmp_path) == f"step 7 is saved in {ckpts / 'last.ckpt'}"
+    (ckpts / "last.ckpt").write_text("not a checkpoint")
+    assert saved_step(tmp_path) == f"the last saved step is in {ckpts / 'last.ckpt'}"

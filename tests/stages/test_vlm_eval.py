@@ -56,7 +56,7 @@ def test_benchmarks_convert_with_their_formats(tmp_path: Path) -> None:
 def test_benchmarks_load_and_grade_through_the_runner(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     vlm_eval.prepare_vlm_eval(eval_sources(tmp_path), tmp_path)
-    import saopd.eval.runner as runner
+    import saopd.eval.graders as graders
 
     math_calls: list = []
 
@@ -64,7 +64,7 @@ def test_benchmarks_load_and_grade_through_the_runner(tmp_path: Path,
         math_calls.extend(pairs)
         return [resp.endswith(f"{{{gold}}}") for resp, gold in pairs]
 
-    monkeypatch.setattr(runner, "grade_many", fake_math)
+    monkeypatch.setattr(graders, "grade_many", fake_math)
     data_dir = tmp_path / "eval"  # saopd-eval's data_dir; vlm_eval/ is its sibling
     right = {"countqa": ["\\boxed{15}", "There are four, so 4"],
              "mathvista": ["The answer is (B)", "\\boxed{7}", "\\boxed{1.54}", "\\boxed{bob}"],
