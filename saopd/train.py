@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import os
-import pickle
 import re
 import sys
 import time
@@ -40,6 +39,7 @@ from saopd.objectives import OBJECTIVES
 from saopd.paths import conf_dir, register_resolvers
 from saopd.prompts.sources import load_prompts
 from saopd.rollout.registry import build_run_engine
+from saopd.runs.checkpoints import checkpoint_step
 from saopd.runs.folder import NonFiniteError, preemption_requested, training_config
 from saopd.runs.logger import run_tracking_uri, start_tracking
 from saopd.runs.resume import (
@@ -184,12 +184,9 @@ def saved_step(folder: Path) -> str:
     match = re.fullmatch(r"step_(\d+)\.ckpt", target.name)
     if match:
         return f"step {int(match[1])} is saved in {target}"
-    try:
-        step = int(torch.load(target, map_location="cpu", weights_only=True,
-                              mmap=True)["global_step"])
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError, pickle.UnpicklingError):
-        return f"the last saved step is in {last}"
-    return f"step {step} is saved in {last}"
+    step = checkpoint_step(target)
+    return (f"step {step} is saved in {last}" if step is not None
+            else f"the last saved step is in {last}")
 
 
 def _use_threads(threads: int | None) -> None:

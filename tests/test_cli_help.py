@@ -5,6 +5,7 @@ has it; ``saopd-eval``'s the same for evaluations. No help names a session or an
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -190,8 +191,6 @@ def _imports_of(tmp_path: Path, *argv: str) -> tuple[dict, str]:
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr
 
 

@@ -48,8 +48,8 @@ from saopd.config.train import TrainConfig
 from saopd.io import atomic_write, file_sha256
 
 __all__ = ["CHECKSUM_SUFFIX", "CONTENT_DIGEST_KEY", "CheckpointError", "RunCheckpoint",
-           "VerifiedCheckpointIO", "checkpoint_callback", "content_digest", "read_checkpoint",
-           "verify_checkpoint"]
+           "VerifiedCheckpointIO", "checkpoint_callback", "checkpoint_step", "content_digest",
+           "read_checkpoint", "verify_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +105,34 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     return real, True
 
 
-def _contents_intact(real: Path) -> bool:
-    """Whether checkpoint file ``real`` loads (weights only) and its contents match the digest
-    stored inside it (False when it cannot be read or stores none)."""
+def _mapped_unverified(real: Path) -> dict[str, Any] | None:
+    """Checkpoint file ``real`` loaded weights-only with its tensors mapped, not read, and not
+    verified; None when it cannot be read as a checkpoint's dict."""
     if not zipfile.is_zipfile(real):
-        return False
+        return None
     try:
         state = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
-        return False
-    stored = state.get(CONTENT_DIGEST_KEY) if isinstance(state, dict) else None
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def _contents_intact(real: Path) -> bool:
+    """Whether checkpoint file ``real`` loads (weights only) and its contents match the digest
+    stored inside it (False when it cannot be read or stores none)."""
+    state = _mapped_unverified(real)
+    stored = state.get(CONTENT_DIGEST_KEY) if state is not None else None
     return stored is not None and stored == content_digest(state)
+
+
+def checkpoint_step(path: str | os.PathLike[str]) -> int | None:
+    """The ``global_step`` recorded in checkpoint ``path`` (a link is followed), read without
+    verifying the file or reading its tensors (for naming a saved step, e.g. at a SIGTERM);
+    None when the file is missing, not a checkpoint or holds no step."""
+    given = Path(path)
+    state = _mapped_unverified(given.resolve()) if given.is_file() else None
+    step = state.get("global_step") if state is not None else None
+    return int(step) if isinstance(step, int) else None
 
 
 def content_digest(checkpoint: Mapping[str, Any]) -> str:

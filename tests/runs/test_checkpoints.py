@@ -14,6 +14,7 @@ import saopd.runs.checkpoints as checkpoints
 from saopd.runs.checkpoints import (
     CheckpointError,
     VerifiedCheckpointIO,
+    checkpoint_step,
     read_checkpoint,
 )
 
@@ -134,3 +135,17 @@ def test_saopd_eval_refuses_a_corrupt_training_checkpoint(make_cfg) -> None:
     real.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"last\.ckpt .*is corrupt"):
         load_checkpoint_student(ckpt, ModelConfig(tiny="qwen3"))
+
+
+def test_checkpoint_step_reads_the_step_without_verifying(tmp_path: Path) -> None:
+    """The recorded step through a link or of a plain file (no sidecar, no digest: not
+    verified); None for a missing file, a file that is no checkpoint and one without a step."""
+    torch.save({"global_step": 12, "state_dict": {"w": torch.ones(2)}}, tmp_path / "a.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("a.ckpt")
+    assert checkpoint_step(tmp_path / "a.ckpt") == checkpoint_step(tmp_path / "last.ckpt") == 12
+    assert checkpoint_step(tmp_path / "missing.ckpt") is None
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    assert checkpoint_step(tmp_path / "text.ckpt") is None
+    torch.save({"state_dict": {}}, tmp_path / "nostep.ckpt")
+    assert checkpoint_step(tmp_path / "nostep.ckpt") is None
+
