@@ -378,8 +378,12 @@ class ProgressLines(ProgressBar):
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         self._end_watch()
 
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException
+                     ) -> None:
+        self._end_watch()  # Lightning calls no ``teardown`` hook when training raised
+
     def teardown(self, trainer: L.Trainer, pl_module: Any, stage: str) -> None:
-        self._end_watch()  # also when training stopped on an error
+        self._end_watch()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any,
                            batch: Any, batch_idx: int) -> None:

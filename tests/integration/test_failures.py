@@ -98,6 +98,9 @@ def test_sigterm_saves_the_step_and_exits_143(tmp_path: Path) -> None:
         while time.monotonic() < deadline and proc.poll() is None and not (
                 log.is_file() and "models ready" in log.read_text()):
             time.sleep(0.5)
+        # the wait ends on the log's line, not on the deadline (a renamed log once made this
+        # test wait its whole deadline and pass anyway)
+        assert proc.poll() is None and "models ready" in log.read_text(), "no 'models ready'"
         time.sleep(5)  # a few steps (no periodic checkpoint before 100,000)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=300)

@@ -172,6 +172,30 @@ def test_a_long_step_or_evaluation_says_it_is_still_running(
     assert _lines(caplog) == lines
 
 
+class FailingStep(Regression):
+    """Raises in its second step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            raise RuntimeError("the step failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_watch_ends_when_training_raises(tmp_path: Path,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning calls no ``teardown`` hook when training raises: the watch must end anyway,
+    or (in a notebook, or a test process) it would write ``still running`` lines forever."""
+    import threading
+
+    caplog.set_level(logging.INFO, logger="saopd.progress")
+    progress = ProgressLines(100.0, still_s=0.2)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        _fit(progress, steps=4, module=FailingStep(FakeClock(), step_s=0.0), tmp_path=tmp_path)
+    time.sleep(0.6)  # a watch still running would have written a line by now
+    assert not [line for line in _lines(caplog) if " still running (" in line]
+    assert not [t for t in threading.enumerate() if t.name == "saopd-progress" and t.is_alive()]
+
+
 def test_clock_time() -> None:
     assert [clock_time(s) for s in (0, 59.6, 75.4, 3600, 3725)] == [
         "0:00", "1:00", "1:15", "1:00:00", "1:02:05"]
