@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchmetrics import MeanMetric
 
 #: Filter statistics that are means over a token set: stats key -> the count that weights it.
 FILTER_WEIGHTS: dict[str, str] = {
@@ -27,12 +26,22 @@ STEP_METRICS = ("loss", "kl", "response_length", "step_time", "tokens", "truncat
                 "unfinished_responses")
 
 
+def _mean_metric() -> nn.Module:
+    """A torchmetrics ``MeanMetric``, imported on first use: torchmetrics imports transformers
+    and scikit-learn (~6 s), which a search that refuses its objective metric before the first
+    trial (:func:`saopd.search.train_metric_names` reads :data:`STEP_METRICS`) need not wait
+    for."""
+    from torchmetrics import MeanMetric
+
+    return MeanMetric()
+
+
 class TrainMetrics(nn.Module):
     """One MeanMetric per logged quantity, under ``train/<name>``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.means = nn.ModuleDict({name: MeanMetric() for name in STEP_METRICS})
+        self.means = nn.ModuleDict({name: _mean_metric() for name in STEP_METRICS})
 
     def step(self, name: str, value: float | torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """Accumulate one step's value (with its weight); returns the step's value to log.
@@ -40,7 +49,7 @@ class TrainMetrics(nn.Module):
         A name seen for the first time gets its own ``MeanMetric`` (on this module's device)."""
         if name not in self.means:
             device = next(iter(self.means.values())).device
-            self.means[name] = MeanMetric().to(device)
+            self.means[name] = _mean_metric().to(device)
         metric = self.means[name]
         device = metric.device
         return metric(torch.as_tensor(value, dtype=torch.float32, device=device).detach(),
