@@ -102,9 +102,12 @@ $(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
 setup-vllm: $(VENV_VLLM)/.installed
 
 # pytest exits 5 when it collects no test: say so and fail (an empty suite is a broken suite)
+# --dist worksteal: a worker that runs out of tests takes half of the other's queue (with the
+# default `load`, one worker kept the last chunk of heavy end-to-end tests, ~9 minutes, while the
+# other sat idle)
 test: setup
-	$(VPY) -m pytest -q -n 2 || { rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; \
-	  exit $$rc; }
+	$(VPY) -m pytest -q -n 2 --dist worksteal || { rc=$$?; [ $$rc -ne 5 ] || \
+	  echo "pytest collected no tests"; exit $$rc; }
 
 # The numeric suites a second time under other CPU kernels and another torch thread count than
 # `make test`'s (-n 2: nproc/2 threads per worker): ATen's portable `default` kernels and, on a
