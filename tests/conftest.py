@@ -35,21 +35,6 @@ def pytest_report_header() -> str:
             f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")
 
 
-#: Modules of end-to-end runs (subprocess trainings, sweeps, servers, browsers): they run first.
-HEAVY_PATHS = ("tests/integration/", "tests/hostile/", "tests/runs/test_sweeps.py")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The long tests first, whole modules at a time (a module-scoped fixture is built once):
-    modules with a ``slow`` test or under :data:`HEAVY_PATHS`, then the rest, each group in
-    collection order. Under ``pytest -n 2 --dist worksteal`` the last tests are then short ones,
-    which the two workers share out evenly; with the long ones last, one worker ran them for
-    minutes while the other had nothing left to take."""
-    heavy = {item.nodeid.split("::")[0] for item in items
-             if item.get_closest_marker("slow") or item.nodeid.startswith(HEAVY_PATHS)}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in heavy)
-
-
 ALL_FIELDS = ("lp_student_res", "lp_teacher_res", "entropy_student", "entropy_teacher",
               "lp_sampler", "lp_ref", "kl", "response_ids")
 #: ``response_ids`` of :func:`random_signals` are drawn from [0, RESPONSE_ID_RANGE): the tiny
