@@ -347,8 +347,11 @@ def _order(labels: Sequence[str], baseline: str | None, highlight: str | None) -
             return (0, 0, label)
         if label == highlight:
             return (2, 0, label)
-        base = label.split(" (", 1)[0]
-        known = known_order.index(base) if base in known_order else len(known_order)
+        # a known label, or one with a variant after it ("SA-OPD (top-k KL)"); the longest
+        # known label that matches, so that a label holding " (" itself keeps its own place
+        matches = [i for i, k in enumerate(known_order)
+                   if label == k or label.startswith(k + " (")]
+        known = max(matches, key=lambda i: len(known_order[i])) if matches else len(known_order)
         return (1, known, label)
 
     return sorted(dict.fromkeys(labels), key=key)

@@ -46,6 +46,23 @@ def _avg(method: str) -> list[float]:
     return [(100 * v[1] + 100 * v[2]) / 2 for v in RUNS.values() if v[0] == method]
 
 
+def test_rows_follow_the_method_order_by_the_longest_known_label(monkeypatch) -> None:
+    # a registered label that holds " (" keeps its own place; a variant of a known label
+    # ("TIP (full KL)") follows that label; an unknown one comes after the known ones
+    import saopd.analysis.tables as tables
+
+    monkeypatch.setattr(tables, "method_order",
+                        lambda: ("OPD", "Floor (kept)", "TIP", "Floor", "SA-OPD"))
+    runs = {"o": ("OPD", 0.6, 0.1), "s": ("SA-OPD", 0.7, 0.1), "u": ("Unknown", 0.5, 0.1),
+            "f": ("Floor (kept)", 0.6, 0.1), "v": ("TIP (full KL)", 0.6, 0.1),
+            "t": ("TIP", 0.6, 0.1), "g": ("Floor (kept) (top-k KL)", 0.6, 0.1),
+            "h": ("Floor (other)", 0.6, 0.1)}
+    scores, labels = _frames(runs)
+    assert results_table(scores, COLUMNS, labels=labels).methods == [
+        "OPD", "Floor (kept)", "Floor (kept) (top-k KL)", "TIP", "TIP (full KL)",
+        "Floor (other)", "Unknown", "SA-OPD"]
+
+
 def test_means_spread_average_and_gain() -> None:
     scores, labels = _frames()
     table = results_table(scores, COLUMNS, labels=labels, references={"Student": ["st"]})
