@@ -40,6 +40,7 @@ them, other problems).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -117,6 +118,9 @@ def prepare_sqlite_storage(storage: str | None) -> Path | None:
     from optuna.storages._rdb import storage as rdb
 
     engine = sqlalchemy.create_engine(str(storage))
+    quiet = logging.getLogger("alembic")  # its INFO lines ("setup plugin ...") are not ours
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
     try:
         models.BaseModel.metadata.create_all(engine)
         base = Path(rdb.__file__).parent
@@ -128,6 +132,7 @@ def prepare_sqlite_storage(storage: str | None) -> Path | None:
             if context.get_current_revision() is None:
                 context.stamp(script, script.get_current_head())
     finally:
+        quiet.setLevel(level)
         engine.dispose()
     return db
 
