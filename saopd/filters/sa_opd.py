@@ -116,6 +116,9 @@ def spurious_token_mask(
     r(1) < beta_min, alpha = the smallest alpha in [1, alpha_max] with r >= beta_min, where
     alpha_max = max(1, 1/p1, 1/p2), and if that overshoots beta_max, the largest alpha in
     [0, alpha_max] with r <= beta_max. With p1 = 0 or p2 = 0, F is empty for every alpha.
+    alpha is a float64 (p1, p2 read as the decimals they were written as): where the steps of
+    k1 and k2 fall between the same two adjacent floats (p1 = 1/3 and p2 = 0.5 at N = 5), the
+    set a real alpha between them would select is not one this returns.
     """
     check_fraction("p1", p1)
     check_fraction("p2", p2)

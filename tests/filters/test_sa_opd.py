@@ -101,16 +101,28 @@ def ref_flmr(a: list[float], f: set[int]) -> float:
     return sum(abs(a[i]) for i in f) / (sum(abs(x) for x in a) + 1e-8)
 
 
+def float_alpha(x: Fraction) -> Fraction:
+    """The smallest float64 >= x, exactly. The filter's alpha is a float: where the breakpoints
+    of two ratios lie between the same two adjacent floats (p1 = 1/3, read as the decimal
+    0.3333333333333333, jumps 2e-16 after p2 = 0.5 at n = 5), the set a real alpha in between
+    would select is not one any float alpha selects."""
+    f = float(x)
+    return Fraction(f if Fraction(f) >= x else math.nextafter(f, math.inf))
+
+
 def alphas_between(lo: Fraction, hi: Fraction, n: int, p1: float, p2: float) -> list[Fraction]:
-    """Every breakpoint of (k1, k2) in [lo, hi] plus midpoints, exactly: all reachable sets.
+    """Every float breakpoint of (k1, k2) in [lo, hi] plus midpoints, exactly: all the sets a
+    float alpha reaches.
 
     The ratios are read as the decimals they were written as (0.15 = 3/20), as the filter does.
     """
     pts = {lo, hi}
     for p in (decimal(p1), decimal(p2)):
-        pts |= {j / (p * n) for j in range(1, n + 1) if lo <= j / (p * n) <= hi}
+        pts |= {float_alpha(j / (p * n)) for j in range(1, n + 1)
+                if lo <= float_alpha(j / (p * n)) <= hi}
     pts_sorted = sorted(pts)
-    return sorted(set(pts_sorted) | {(x + y) / 2 for x, y in itertools.pairwise(pts_sorted)})
+    return sorted(set(pts_sorted) | {Fraction(float((x + y) / 2))
+                                     for x, y in itertools.pairwise(pts_sorted)})
 
 
 def reference_algorithm2(a, d, p1, p2, beta_min, beta_max, extreme) -> set[int]:
@@ -122,7 +134,7 @@ def reference_algorithm2(a, d, p1, p2, beta_min, beta_max, extreme) -> set[int]:
         ok = [x for x in alphas_between(Fraction(0), one, n, p1, p2) if r(x) <= beta_max]
         return ref_set(a, d, p1, p2, max(ok), extreme)
     if beta_min is not None and r(one) < beta_min:
-        amax = max(one, 1 / decimal(p1), 1 / decimal(p2))
+        amax = max(one, float_alpha(1 / decimal(p1)), float_alpha(1 / decimal(p2)))
         up = [x for x in alphas_between(one, amax, n, p1, p2) if r(x) >= beta_min]
         if not up:
             return ref_set(a, d, p1, p2, one, extreme)
