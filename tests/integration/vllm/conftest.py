@@ -1,14 +1,9 @@
 """Runs shared by the real-vLLM test modules (`make test-vllm`): each starts vLLM engines that
-cost tens of seconds on a 2-core CPU, so one run serves every test that reads it.
-
-`make test-vllm` runs on two xdist workers with ``--dist loadgroup``: each module is one group
-(its module- and class-scoped servers and runs start once, on one worker), and the modules that
-read the session's :func:`tiny_teacher_runs` are one group together."""
+cost tens of seconds on a 2-core CPU, so one run serves every test that reads it."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -44,26 +39,6 @@ class TeacherRuns:
     served_summary: dict[str, Any]
     available_before: Any  # saopd.vllm.runtime.MemoryFigures | None, before the vLLM run
     kv_cache_bytes: list[int | None]  # what saopd sized the teacher's KV cache to, per call
-
-
-HERE = Path(__file__).parent
-SHARED_RUNS = "tiny_teacher_runs"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # xdist registers this marker only where it is loaded (`-p no:xdist` runs add it too)
-    config.addinivalue_line("markers", "xdist_group(name): the tests xdist runs on one worker")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The xdist group of each test of this folder (the module docstring): its module's name,
-    or :data:`SHARED_RUNS` for every module that names that session fixture (as an argument
-    or through ``request.getfixturevalue``)."""
-    mine = [item for item in items if HERE in item.path.parents]
-    shared = {path for path in {item.path for item in mine} if SHARED_RUNS in path.read_text()}
-    for item in mine:
-        group = SHARED_RUNS if item.path in shared else item.path.stem
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 TINY_3_STEPS = ("experiment=tiny", "steps=3", "trainer.view_every_n_steps=0",
