@@ -118,8 +118,8 @@ def alphas_between(lo: Fraction, hi: Fraction, n: int, p1: float, p2: float) -> 
     """
     pts = {lo, hi}
     for p in (decimal(p1), decimal(p2)):
-        pts |= {float_alpha(j / (p * n)) for j in range(1, n + 1)
-                if lo <= float_alpha(j / (p * n)) <= hi}
+        steps = (float_alpha(j / (p * n)) for j in range(1, n + 1))
+        pts |= {x for x in steps if lo <= x <= hi}
     pts_sorted = sorted(pts)
     return sorted(set(pts_sorted) | {Fraction(float((x + y) / 2))
                                      for x, y in itertools.pairwise(pts_sorted)})
