@@ -51,7 +51,7 @@ help:
 # at once: the editable install writes saopd.egg-info in this tree.)
 # --no-compile: pip compiles the ~25,000 (.venv) and ~33,000 (.venv-vllm) Python files to .pyc
 # on one core, as it installs them; tools/compile_bytecode.py does the same after the install on
-# every core (.compiled below: 64 s on 2 cores for .venv). Not left to Python at import: where it
+# every core (.compiled below: 38-46 s on 2 cores for .venv). Not left to Python at import: where it
 # does not write .pyc back (PYTHONDONTWRITEBYTECODE=1, set on these machines) every process
 # compiled every module it imported again (`import saopd.train`: 23.7 s, 9.3 s compiled).
 PIP_FLAGS := --quiet --no-compile

@@ -95,15 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     files = sources(roots)
     outcomes: dict[str, list[tuple[str, str]]] = {"fresh": [], "compiled": [], "invalid": [],
                                                   "error": []}
-    if args.jobs == 1:
-        results = map(compile_one, files)
-    else:
-        pool = ProcessPoolExecutor(args.jobs)
+    with ProcessPoolExecutor(args.jobs) as pool:
         results = pool.map(compile_one, files, chunksize=64)
-    for source, (outcome, detail) in zip(files, results, strict=True):
-        outcomes[outcome].append((source, detail))
-    if args.jobs != 1:
-        pool.shutdown()
+        for source, (outcome, detail) in zip(files, results, strict=True):
+            outcomes[outcome].append((source, detail))
     where = ", ".join(map(str, roots))
     print(f"compile_bytecode: {where}: {len(outcomes['compiled'])} compiled, "
           f"{len(outcomes['fresh'])} already up to date, {len(outcomes['invalid'])} not valid "
