@@ -113,7 +113,7 @@ class KillServerAt(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == self.step and self.killed_at is None:
-            stop_server(self.server, kill=True)  # uvicorn and the job runner with it
+            stop_server(self.server, kill=True)  # its uvicorn with it
             self.killed_at = time.monotonic()
 
 

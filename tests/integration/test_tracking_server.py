@@ -83,6 +83,21 @@ def test_parallel_jobs_log_through_the_server_and_the_report_reads_them(
     # server too
 
 
+def test_the_server_starts_no_mlflow_job_processes(server: tuple[str, Path]) -> None:
+    # MLflow's job runner and its Huey consumers (a process each, ~22 s of CPU per start) are
+    # off in saopd's server; the server's own processes are there (the check can see them)
+    import psutil
+
+    port = server[0].rsplit(":", 1)[1]
+    mine = [p for p in psutil.process_iter(["cmdline"])
+            if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]
+    assert len(mine) == 1, [p.info["cmdline"] for p in mine]
+    group = [mine[0], *mine[0].children(recursive=True)]
+    commands = [" ".join(p.cmdline()) for p in group]
+    assert len(group) >= 2, commands  # mlflow server and its uvicorn
+    assert not [c for c in commands if "mlflow.server.jobs" in c], commands
+
+
 def test_the_sweep_is_refused_before_any_job_runs(tmp_path: Path) -> None:
     out = run_train(tmp_path, "-m", "experiment=tiny", "seed=0,1",
                     f"hydra.launcher._target_={SLURM}", f"hydra.sweep.dir={tmp_path / 'sweep'}",

@@ -15,6 +15,7 @@ from saopd.runs.server import (
     StoreCheck,
     multi_node_launcher,
     server_command,
+    server_environment,
     sqlite_refusal,
 )
 from saopd.train import CONF_DIR
@@ -63,3 +64,16 @@ def test_bad_server_arguments_name_the_problem(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert out.stderr.strip() == ("saopd tracking server: error: --port must be in 1..65535, "
                                   "got 0")
+
+
+def test_the_server_runs_without_mlflow_jobs_unless_the_environment_asks() -> None:
+    from mlflow.environment_variables import MLFLOW_SERVER_ENABLE_JOB_EXECUTION as JOBS
+
+    env = server_environment({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", JOBS.name: "false"}  # MLflow's own variable, and only it
+    with pytest.MonkeyPatch.context() as mp:  # MLflow reads it as off (its default is on)
+        mp.delenv(JOBS.name, raising=False)
+        assert JOBS.get() is True
+        mp.setenv(JOBS.name, env[JOBS.name])
+        assert JOBS.get() is False
+    assert server_environment({JOBS.name: "true"})[JOBS.name] == "true"  # the user's choice
