@@ -178,6 +178,9 @@ class VLLMEngine(VLLMSampling, Closing):
         local_rank: this training rank's local index when several training processes each own
             an engine (module docstring): the engine core starts in a clean environment, on GPU
             on this local device only. None = one training process.
+        local_ranks: how many training ranks on this machine each own an engine (with
+            ``local_rank``): on vLLM's CPU backend each engine gets its own share of the CPUs
+            (:func:`~saopd.vllm.runtime.cpu_threads_bind`).
         colocated_tensor_parallel: this engine is one shard of a tensor-parallel engine that
             ``tensor_parallel_size`` consecutive training ranks share (vLLM's external
             launcher over the trainer's ``torch.distributed`` job; module docstring). Needs
@@ -219,6 +222,7 @@ class VLLMEngine(VLLMSampling, Closing):
         max_images_per_prompt: int = _DEFAULTS.max_images_per_prompt,
         startup_timeout: float = _DEFAULTS.startup_timeout,
         local_rank: int | None = None,
+        local_ranks: int = 1,
         colocated_tensor_parallel: bool = False,
         llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
@@ -244,6 +248,10 @@ class VLLMEngine(VLLMSampling, Closing):
         check_int("max_images_per_prompt", max_images_per_prompt, owner="VLLMEngine")
         check_number("startup_timeout", startup_timeout, low=0.0, owner="VLLMEngine")
         check_int("local_rank", local_rank, owner="VLLMEngine", minimum=0, allow_none=True)
+        check_int("local_ranks", local_ranks, owner="VLLMEngine")
+        if local_rank is not None and local_rank >= local_ranks:
+            raise ValueError(f"VLLMEngine.local_rank {local_rank} is not below local_ranks "
+                             f"{local_ranks}")
         if local_rank is not None and in_process:
             raise ValueError("VLLMEngine.local_rank (an engine per training rank) needs "
                              "in_process=False: an in-process engine would use the trainer's "
@@ -342,6 +350,7 @@ class VLLMEngine(VLLMSampling, Closing):
         self._llm_kwargs = kwargs
         self._startup_timeout = float(startup_timeout)
         self._local_rank = local_rank
+        self._local_ranks = local_ranks
         #: the tensor-parallel group of a colocated shard, once started (else None)
         self._tp: TensorParallelGroup | None = None
         self.colocated_tensor_parallel = colocated_tensor_parallel
@@ -356,7 +365,7 @@ class VLLMEngine(VLLMSampling, Closing):
         from vllm import LLM
 
         where = "" if self._local_rank is None else f" (local rank {self._local_rank})"
-        with preserve_process_state(), engine_environment(self._local_rank), \
+        with preserve_process_state(), engine_environment(self._local_rank, self._local_ranks), \
                 startup_deadline(self._startup_timeout, where):
             self.llm = LLM(**self._llm_kwargs)
         self._after_start()
@@ -409,6 +418,7 @@ class VLLMEngine(VLLMSampling, Closing):
         extra: dict[str, Any] = {}
         if processes > 1:
             rank, local_rank = training_rank()
+            extra["local_ranks"] = max(1, processes // max(1, setup.num_nodes))
             if conf.tensor_parallel_size > 1:
                 per_node = setup.training_processes // max(1, setup.num_nodes)
                 tensor_parallel_groups(processes, conf.tensor_parallel_size, per_node)
@@ -424,7 +434,7 @@ class VLLMEngine(VLLMSampling, Closing):
                              "ignored", rank)
                 options["in_process"] = True
                 local_rank = None
-                extra["colocated_tensor_parallel"] = True
+                extra = {"colocated_tensor_parallel": True}
             else:
                 if options["in_process"]:
                     log.info("rank %d: the vLLM engine core runs in its own process (an "

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ __all__ = [
     "available_memory",
     "colocated_environ",
     "cpu_kv_cache_bytes",
+    "cpu_threads_bind",
     "engine_environment",
     "kv_bytes_per_token",
     "preserve_process_state",
@@ -131,10 +132,33 @@ def _set_environ(env: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def colocated_environ(local_rank: int) -> dict[str, str | None]:
+def cpu_threads_bind(local_rank: int, local_ranks: int, cpus: Sequence[int]) -> str:
+    """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for the CPU engine of training rank ``local_rank``
+    of ``local_ranks`` on this machine: its contiguous share of ``cpus`` (the CPUs this process
+    may run on, in order), ``"0,1"`` style; ``"nobind"`` when there are fewer CPUs than ranks.
+
+    vLLM's default (``auto``) binds a CPU worker's OpenMP threads to the first memory node's
+    cores less one, as if it were the machine's only engine: every rank's engine then runs on
+    the same cores while the others idle (measured on 2 CPUs: both ranks' engines on CPU 0).
+    ``ValueError`` for a rank outside ``0..local_ranks-1`` or no CPUs."""
+    if not 0 <= local_rank < local_ranks:
+        raise ValueError(f"local rank {local_rank} is not one of {local_ranks} local ranks")
+    ordered = sorted(set(cpus))
+    if not ordered:
+        raise ValueError("no CPUs to share out among the engines")
+    if len(ordered) < local_ranks:
+        return "nobind"
+    share, extra = divmod(len(ordered), local_ranks)
+    start = local_rank * share + min(local_rank, extra)
+    return ",".join(str(c) for c in ordered[start:start + share + (local_rank < extra)])
+
+
+def colocated_environ(local_rank: int, local_ranks: int = 1) -> dict[str, str | None]:
     """The environment changes for the engine core of training rank ``local_rank``'s colocated
-    engine: no launcher variables (:data:`LAUNCHER_VARIABLES`) and, with CUDA, only the rank's
-    local device visible (``ValueError`` if it has none)."""
+    engine (one of ``local_ranks`` on this machine): no launcher variables
+    (:data:`LAUNCHER_VARIABLES`); with CUDA, only the rank's local device visible
+    (``ValueError`` if it has none); on vLLM's CPU backend with several local ranks, the rank's
+    own CPUs (:func:`cpu_threads_bind`) unless ``VLLM_CPU_OMP_THREADS_BIND`` is set."""
     env: dict[str, str | None] = dict.fromkeys(LAUNCHER_VARIABLES)
     if torch.cuda.is_available():
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -144,15 +168,20 @@ def colocated_environ(local_rank: int) -> dict[str, str | None]:
             raise ValueError(f"local rank {local_rank} has no GPU of its own (visible devices: "
                              f"{devices})")
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
+    elif local_ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(local_rank, local_ranks,
+                                                            sorted(os.sched_getaffinity(0)))
     return env
 
 
-def engine_environment(local_rank: int | None) -> contextlib.AbstractContextManager[None]:
-    """For a colocated engine (``local_rank`` set): the environment its engine core process
-    starts in (:func:`colocated_environ`), restored afterwards. Nothing changes for ``None``."""
+def engine_environment(local_rank: int | None,
+                       local_ranks: int = 1) -> contextlib.AbstractContextManager[None]:
+    """For a colocated engine (``local_rank`` set, one of ``local_ranks`` on this machine): the
+    environment its engine core process starts in (:func:`colocated_environ`), restored
+    afterwards. Nothing changes for ``None``."""
     if local_rank is None:
         return contextlib.nullcontext()
-    return temporary_environ(colocated_environ(local_rank))
+    return temporary_environ(colocated_environ(local_rank, local_ranks))
 
 
 # ---- the KV cache of an engine on vLLM's CPU backend ---------------------------------------

@@ -12,7 +12,8 @@ Every rank writes OUT/rollouts_rank<R>.json (per step: its prompts' messages and
 OUT/sampled_rank<R>.json (its step-0 prompts sampled once more, not greedily: n=2 at
 temperature 1 with the seed the run's rollouts of that step and rank use, from the weights the
 step's rollouts came from) and OUT/engine_rank<R>.json (how its engine is laid out: tensor
-parallelism, its embedding shard's rows, the tensors the last sync check compared); rank 0
+parallelism, its embedding shard's rows, the tensors the last sync check compared, the CPUs
+this rank may use and those of each process under it, e.g. its engine's worker); rank 0
 writes OUT/losses.json; the final student is OUT/run/checkpoints/last.ckpt.
 """
 
@@ -25,6 +26,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import psutil
 from hydra import compose, initialize_config_dir
 
 from saopd.train import CONF_DIR, train
@@ -60,7 +62,10 @@ class Record(L.Callback):
                     engine.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
                 "embed_rows": shapes["model.embed_tokens.weight"][0],
                 "vocab_size": pl_module.student.config.vocab_size,
-                "sync_checked": engine.last_sync_checked}))
+                "sync_checked": engine.last_sync_checked,
+                "allowed_cpus": sorted(os.sched_getaffinity(0)),
+                "descendant_cpus": [sorted(p.cpu_affinity())
+                                    for p in psutil.Process().children(recursive=True)]}))
 
 
 class SampleStepZero(L.Callback):

@@ -97,7 +97,17 @@ def _assert_equal_runs(run: tuple, single: tuple) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_with_their_own_engines_equal_one_process(single, two_ranks,
                                                             strategy: str) -> None:
-    _assert_equal_runs(two_ranks(strategy)[1], single)
+    out, run = two_ranks(strategy)
+    _assert_equal_runs(run, single)
+    # on vLLM's CPU backend each rank's engine worker runs on the rank's own share of the CPUs
+    # (vLLM's default bound both to the same first core)
+    from saopd.vllm.runtime import cpu_threads_bind
+
+    for r in range(2):
+        info = json.loads((out / f"engine_rank{r}.json").read_text())
+        bind = cpu_threads_bind(r, 2, info["allowed_cpus"])
+        if bind != "nobind":
+            assert [int(c) for c in bind.split(",")] in info["descendant_cpus"], (r, info)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
