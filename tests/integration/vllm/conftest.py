@@ -4,6 +4,7 @@ cost tens of seconds on a 2-core CPU, so one run serves every test that reads it
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import lightning as L
@@ -39,6 +40,17 @@ class TeacherRuns:
     served_summary: dict[str, Any]
     available_before: Any  # saopd.vllm.runtime.MemoryFigures | None, before the vLLM run
     kv_cache_bytes: list[int | None]  # what saopd sized the teacher's KV cache to, per call
+
+
+def server_environ(index: int, count: int = 2) -> dict[str, str]:
+    """The environment of test server ``index`` of ``count`` started side by side: one thread,
+    offline, and its own share of the CPUs (vLLM's CPU default binds every server's worker to
+    the same first core, so the servers' start-ups and requests queued on one core)."""
+    from saopd.vllm.runtime import cpu_threads_bind
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(index, count,
+                                                          sorted(os.sched_getaffinity(0)))}
 
 
 TINY_3_STEPS = ("experiment=tiny", "steps=3", "trainer.view_every_n_steps=0",

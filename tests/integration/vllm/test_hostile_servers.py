@@ -66,6 +66,7 @@ from saopd.vllm.server.cli import build_command, check_port
 from saopd.vllm.server.cli import main as serve_main
 from saopd.vllm.server.guard import BROKEN_HEADER, SaopdServeGuard
 from saopd.vllm.weights_files import check_reload_folder, weights_digest
+from tests.integration.vllm.conftest import server_environ
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAS_VLLM, reason="needs vllm (make test-vllm)")
@@ -401,13 +402,13 @@ START_TIMEOUT = 420.0  # a vLLM start-up on a busy 2-core CPU
 class _Server:
     """A ``saopd-serve`` process (its own process group, so its engine core goes with it)."""
 
-    def __init__(self, model: Path, weights: Path, log: Path, *, key_file: Path | None = None,
-                 key: str | None = None) -> None:
+    def __init__(self, model: Path, weights: Path, log: Path, index: int, *,
+                 key_file: Path | None = None, key: str | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model, self.weights, self.log = model, weights, log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-               "XDG_CACHE_HOME": str(log.parent / "cache")}  # its digests' cache
+        # server index of 2 on its own CPUs; its digests' cache in the test's folder
+        env = {**server_environ(index), "XDG_CACHE_HOME": str(log.parent / "cache")}
         env.pop(API_KEY_ENV, None)
         argv = [sys.executable, "-m", "saopd.serve", "--model", str(model), "--port",
                 str(self.port), "--weights-dir", str(weights), *SERVER_ARGS]
@@ -517,8 +518,8 @@ def servers(tok, tmp_path_factory) -> Iterator[dict[str, Any]]:
     wa, wb = root / "wa", root / "wb"
     stale = _plant(wa, "saopd-weights-deadrun", _dead_owner())
     live = _plant(wa, "saopd-weights-liverun", owner_record())
-    a = _Server(student, wa, root / "a.log", key_file=root / "a.key")
-    b = _Server(binary, wb, root / "b.log", key=secrets.token_urlsafe(24))
+    a = _Server(student, wa, root / "a.log", 0, key_file=root / "a.key")
+    b = _Server(binary, wb, root / "b.log", 1, key=secrets.token_urlsafe(24))
     try:
         a.wait()
         b.wait()

@@ -70,11 +70,14 @@ def _free_port() -> int:
 class Server:
     """A ``saopd-serve`` process (its own process group, so its engine core goes with it)."""
 
-    def __init__(self, model_dir: Path, log: Path, port: int | None = None) -> None:
+    def __init__(self, model_dir: Path, log: Path, index: int, port: int | None = None) -> None:
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        self.log, self.index = log, index
+        # (imported here: this file also runs as a script, outside the tests package)
+        from tests.integration.vllm.conftest import server_environ
+
+        env = server_environ(index)  # server index of 2: its own CPUs
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "saopd.serve", "--model", str(model_dir),
@@ -121,7 +124,7 @@ def model_dir(tok, tmp_path_factory) -> Path:
 def servers(model_dir, tmp_path_factory) -> Iterator[dict[str, Server]]:
     """Two servers started side by side (``a`` and ``b``)."""
     logs = tmp_path_factory.mktemp("logs")
-    started = {name: Server(model_dir, logs / f"{name}.log") for name in ("a", "b")}
+    started = {name: Server(model_dir, logs / f"{name}.log", i) for i, name in enumerate("ab")}
     try:
         for server in started.values():
             server.wait()
@@ -335,7 +338,7 @@ def test_a_killed_server_is_named_and_a_restarted_one_refused(servers, model_dir
                            r"\(Connection.*is the rollout server running"):
             call()
         assert time.monotonic() - started < 30  # an error, not a hang
-    servers["b"] = Server(model_dir, b.log, port=b.port).wait()  # the same URL, restarted
+    servers["b"] = Server(model_dir, b.log, b.index, port=b.port).wait()  # the same URL, restarted
     with pytest.raises(RolloutServerError, match=rf"rollout server {b.url} restarted at .*"
                        r"it serves its start-up weights"):
         eng.generate(CHATS, SAMPLING)
