@@ -418,7 +418,6 @@ class VLLMEngine(VLLMSampling, Closing):
         extra: dict[str, Any] = {}
         if processes > 1:
             rank, local_rank = training_rank()
-            extra["local_ranks"] = max(1, processes // max(1, setup.num_nodes))
             if conf.tensor_parallel_size > 1:
                 per_node = setup.training_processes // max(1, setup.num_nodes)
                 tensor_parallel_groups(processes, conf.tensor_parallel_size, per_node)
@@ -434,13 +433,15 @@ class VLLMEngine(VLLMSampling, Closing):
                              "ignored", rank)
                 options["in_process"] = True
                 local_rank = None
-                extra = {"colocated_tensor_parallel": True}
+                extra["colocated_tensor_parallel"] = True
             else:
                 if options["in_process"]:
                     log.info("rank %d: the vLLM engine core runs in its own process (an "
                              "in-process engine cannot share the trainer's torch.distributed)",
                              rank)
                 options["in_process"] = False
+                # the engines of this machine's ranks share its CPUs (on vLLM's CPU backend)
+                extra["local_ranks"] = max(1, processes // max(1, setup.num_nodes))
             if model_dir is not None:
                 model_dir = str(Path(model_dir) / f"rank{rank}")
         return cls.from_model(

@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,10 +132,10 @@ def _set_environ(env: Mapping[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def cpu_threads_bind(local_rank: int, local_ranks: int, cpus: Sequence[int]) -> str:
+def cpu_threads_bind(local_rank: int, local_ranks: int, cpus: Iterable[int]) -> str:
     """vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for the CPU engine of training rank ``local_rank``
     of ``local_ranks`` on this machine: its contiguous share of ``cpus`` (the CPUs this process
-    may run on, in order), ``"0,1"`` style; ``"nobind"`` when there are fewer CPUs than ranks.
+    may run on, in any order), ``"0,1"`` style; ``"nobind"`` when there are fewer CPUs than ranks.
 
     vLLM's default (``auto``) binds a CPU worker's OpenMP threads to the first memory node's
     cores less one, as if it were the machine's only engine: every rank's engine then runs on
@@ -170,7 +170,7 @@ def colocated_environ(local_rank: int, local_ranks: int = 1) -> dict[str, str | 
         env["CUDA_VISIBLE_DEVICES"] = devices[local_rank].strip()
     elif local_ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(local_rank, local_ranks,
-                                                            sorted(os.sched_getaffinity(0)))
+                                                            os.sched_getaffinity(0))
     return env
 
 

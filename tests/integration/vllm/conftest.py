@@ -49,8 +49,7 @@ def server_environ(index: int, count: int = 2) -> dict[str, str]:
     from saopd.vllm.runtime import cpu_threads_bind
 
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(index, count,
-                                                          sorted(os.sched_getaffinity(0)))}
+            "VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind(index, count, os.sched_getaffinity(0))}
 
 
 TINY_3_STEPS = ("experiment=tiny", "steps=3", "trainer.view_every_n_steps=0",
