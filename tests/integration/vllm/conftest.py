@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -12,6 +13,26 @@ import pytest
 import torch
 
 from tests.conftest import compose_train
+
+HERE = Path(__file__).parent
+#: The order this suite's modules run in. CI runs the suite beside the main one and it ends
+#: last, alone: the modules that mostly wait (start-up deadlines, one engine at a time) go first,
+#: while the main suite keeps the cores busy anyway, and those whose runs keep both cores busy
+#: (two servers, two training ranks each with an engine) last. A module not listed runs before
+#: all of them (test_module_order.py says to list it).
+MODULE_ORDER = ("test_module_order", "test_vllm_tensor_parallel_startup", "test_vllm_vlm",
+                "test_vllm_engine", "test_cpu_memory", "test_teacher_scoring",
+                "test_hostile_servers", "test_vllm_server", "test_vllm_ranks")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """This folder's tests in :data:`MODULE_ORDER` (each module's own order kept), in the
+    places the collection gave them; every other test stays where it was."""
+    slots = [i for i, item in enumerate(items) if item.path.parent == HERE]
+    rank = {name: k for k, name in enumerate(MODULE_ORDER)}
+    ours = sorted((items[i] for i in slots), key=lambda item: rank.get(item.path.stem, -1))
+    for i, item in zip(slots, ours, strict=True):
+        items[i] = item
 
 
 class StepRecord(L.Callback):
